@@ -1,0 +1,38 @@
+"""dsv4_compile: DeepSeek V4 attention kernels as ``torch.ops.dsv4.*`` custom ops.
+
+Importing this package registers the ops (schemas, fakes, one kernel per dispatch key) so that
+DSV4 attention traces into one ``torch.compile`` graph and the dispatcher picks the device kernel.
+"""
+
+from . import kernels as _kernels  # noqa: F401  (registers the providers)
+from . import layout, ops
+from .checks import checked, checked_mode
+from .dispatch import ProviderUnavailable, providers, use_provider
+from .layout import alloc_cache, dequant_workspace, flashmla_view, gather_dequant, page_bytes
+from .ops import (
+    flash_mla_sparse_fwd,
+    flash_mla_with_kvcache,
+    fused_k_norm_rope_flashmla,
+    get_mla_metadata,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ProviderUnavailable",
+    "alloc_cache",
+    "checked",
+    "checked_mode",
+    "dequant_workspace",
+    "flash_mla_sparse_fwd",
+    "flash_mla_with_kvcache",
+    "flashmla_view",
+    "fused_k_norm_rope_flashmla",
+    "gather_dequant",
+    "get_mla_metadata",
+    "layout",
+    "ops",
+    "page_bytes",
+    "providers",
+    "use_provider",
+]

@@ -1,0 +1,282 @@
+"""Argument validation for the ``dsv4`` ops, shared by the fakes and every kernel.
+
+Two levels:
+
+* **Metadata checks** (dtype, rank, shape, device, page geometry) run on every call, in the fake and
+  in the real kernels alike, and never touch tensor data: they are free under ``torch.compile`` and
+  CUDA-graph capture.
+* **Data checks** (slots and indices in range, positions inside ``freqs``, lengths <= widths) read
+  tensor values, which on a GPU means a device sync. They run in *checked mode* only — enabled by
+  :func:`checked` or ``DSV4_COMPILE_CHECKED=1`` — and always in the CPU reference, where reading
+  values is free.
+
+Every failure names the op, the argument, what was expected and what was got. All checks of a call
+run before anything is written, so a rejected call leaves every cache byte unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from . import layout
+
+CHECKED_ENV = "DSV4_COMPILE_CHECKED"
+_state = threading.local()
+
+
+def checked_mode() -> bool:
+    """Whether data checks run on device kernels (see module docstring)."""
+    flag = getattr(_state, "checked", None)
+    if flag is not None:
+        return flag
+    return os.environ.get(CHECKED_ENV, "0").lower() not in ("", "0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def checked(enabled: bool = True) -> Iterator[None]:
+    """Enable (or disable) data checks for the calls made inside the block, on every device.
+
+    Checks happen when the op *runs*, so this works around eager calls and around calls of an
+    already compiled function alike. Checked mode syncs the device: do not capture CUDA graphs in it.
+    """
+    previous = getattr(_state, "checked", None)
+    _state.checked = enabled
+    try:
+        yield
+    finally:
+        _state.checked = previous
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+    return repr(t)
+
+
+class Checker:
+    """Validation helpers bound to one op name, so every message starts with it."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def fail(self, arg: str, expected: str, got, exc: type[Exception] = ValueError):
+        raise exc(f"dsv4.{self.op}: {arg} must be {expected}, got {_describe(got)}")
+
+    def tensor(
+        self,
+        arg: str,
+        t,
+        dtypes: Sequence[torch.dtype],
+        shape: Sequence[int | None],
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Check type, dtype, rank, sizes (``None`` = any) and device of one tensor argument."""
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        dims = ", ".join("*" if s is None else str(s) for s in shape)
+        expected = f"{names} [{dims}]"
+        if not isinstance(t, torch.Tensor):
+            self.fail(arg, f"a tensor {expected}", t, TypeError)
+        if t.dtype not in dtypes:
+            self.fail(arg, expected, t, TypeError)
+        if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+            self.fail(arg, expected, t)
+        if device is not None and t.device != device:
+            raise ValueError(
+                f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {t.device}"
+            )
+        return t
+
+    def optional(self, arg, t, dtypes, shape, device) -> None:
+        if t is not None:
+            self.tensor(arg, t, dtypes, shape, device)
+
+    def positive_int(self, arg: str, value) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail(arg, "a positive int", value)
+        return value
+
+    def cache(self, arg: str, cache, page_size: int, device: torch.device) -> None:
+        """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * 584."""
+        expected = f"the uint8 base cache tensor [num_pages, >= page_size*584={page_size * layout.TOKEN_BYTES}]"
+        if not isinstance(cache, torch.Tensor):
+            self.fail(arg, expected, cache, TypeError)
+        if cache.dtype != torch.uint8 or cache.dim() != 2:
+            raise (TypeError if cache.dtype != torch.uint8 else ValueError)(
+                f"dsv4.{self.op}: {arg} must be {expected} "
+                f"(canonical: dsv4_compile.alloc_cache -> uint8 [num_pages, page_bytes({page_size})="
+                f"{layout.page_bytes(page_size)}]), got {_describe(cache)}; pass the base tensor the "
+                f"view was made from, not a dtype or 4-D view of it"
+            )
+        if cache.shape[1] < page_size * layout.TOKEN_BYTES:
+            self.fail(arg, expected, cache)
+        if cache.shape[0] < 1:
+            self.fail(arg, f"{expected} with at least one page", cache)
+        if not cache.is_contiguous():
+            self.fail(
+                arg,
+                f"{expected}, contiguous (its row length is the page stride); "
+                f"got strides {tuple(cache.stride())} for",
+                cache,
+            )
+        if cache.device != device:
+            raise ValueError(
+                f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {cache.device}"
+            )
+
+    def lengths_within(self, arg: str, lengths, width: int) -> None:
+        """Data check: ``0 <= lengths <= width``."""
+        if lengths is None or lengths.numel() == 0:
+            return
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > width:
+            self.fail(arg, f"within [0, {width}] (the index width)", f"values in [{lo}, {hi}]")
+
+    def slots_valid(
+        self, arg: str, slots: torch.Tensor, cap: int, counted: torch.Tensor | None = None,
+        holes: str = "-1",
+    ) -> None:
+        """Data check: every counted slot is ``-1`` (or any negative, ``holes="negative"``) or ``< cap``."""
+        bad = slots >= cap
+        if holes == "-1":
+            bad |= slots < -1
+        if counted is not None:
+            bad &= counted
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            allowed = "-1" if holes == "-1" else "negative (skip)"
+            self.fail(
+                arg,
+                f"{allowed} or a slot in [0, {cap}) (num_pages*page_size)",
+                f"{int(slots[where])} at {list(where)}",
+            )
+
+
+def data_checks_apply(device: torch.device) -> bool:
+    """Data checks run always on CPU (reading values is free there), elsewhere in checked mode."""
+    return device.type == "cpu" or checked_mode()
+
+
+def counted_mask(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor | None:
+    """``[..., K]`` bool: entry ``j`` of a row counts iff ``j < topk_length`` of its batch row."""
+    if topk_length is None:
+        return None
+    width = indices.shape[-1]
+    j = torch.arange(width, device=indices.device)
+    lengths = topk_length.view(-1, *([1] * (indices.dim() - 1)))
+    return j < lengths
+
+
+# --------------------------------------------------------------------------------------------
+# Per-op checks. Each returns the sizes the fake and the kernels need. ``data=False`` (the fakes)
+# skips the data checks; ``data=True`` (the kernels) runs them where data_checks_apply().
+# --------------------------------------------------------------------------------------------
+
+_STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, *, data: bool) -> int:
+    c = Checker("fused_k_norm_rope_flashmla")
+    c.tensor("kv", kv, _STORE_DTYPES, [None, layout.HEAD_DIM])
+    num_tokens, device = kv.shape[0], kv.device
+    if kv.stride(1) != 1:
+        c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
+    c.tensor("kv_weight", kv_weight, (kv.dtype,), [layout.HEAD_DIM], device)
+    c.tensor("freqs", freqs, (torch.float32,), [None, layout.ROPE_DIM], device)
+    c.tensor("positions", positions, _INDEX_DTYPES, [num_tokens], device)
+    c.tensor("out_loc", out_loc, _INDEX_DTYPES, [num_tokens], device)
+    c.positive_int("page_size", page_size)
+    c.cache("kvcache", kvcache, page_size, device)
+    if not isinstance(eps, float) or not eps >= 0.0:
+        c.fail("eps", "a non-negative float", eps)
+    if data and data_checks_apply(device) and num_tokens > 0:
+        c.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= freqs.shape[0]:
+            c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
+    return num_tokens
+
+
+def check_decode(
+    q, k_cache, page_size, indices, topk_length, attn_sink,
+    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, *, data: bool,
+) -> tuple[int, int, int]:
+    c = Checker("flash_mla_with_kvcache")
+    c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
+    batch, s_q, heads = q.shape[:3]
+    device = q.device
+    c.positive_int("page_size", page_size)
+    c.cache("k_cache", k_cache, page_size, device)
+    c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
+    c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
+    if extra_k_cache is None:
+        for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length)):
+            if value is not None:
+                c.fail(arg, "None when extra_k_cache is None", value)
+    else:
+        c.positive_int("extra_page_size", extra_page_size)
+        c.cache("extra_k_cache", extra_k_cache, extra_page_size, device)
+        if extra_indices is None:
+            c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
+        c.tensor("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+        c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)
+    if (tile_scheduler_metadata is None) != (num_splits is None):
+        c.fail(
+            "tile_scheduler_metadata/num_splits", "both None or both tensors (from get_mla_metadata)",
+            (tile_scheduler_metadata, num_splits),
+        )
+    for arg, t in (("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)):
+        if t is not None:
+            c.tensor(arg, t, (torch.int32,), [None] * t.dim(), device)
+    if head_dim_v != layout.HEAD_DIM:
+        c.fail("head_dim_v", f"{layout.HEAD_DIM} (V is the full key)", head_dim_v)
+    if not isinstance(softmax_scale, float):
+        c.fail("softmax_scale", "a float", softmax_scale, TypeError)
+    if data and data_checks_apply(device):
+        c.lengths_within("topk_length", topk_length, indices.shape[-1])
+        c.slots_valid("indices", indices, layout.capacity(k_cache, page_size),
+                      counted_mask(indices, topk_length))
+        if extra_k_cache is not None:
+            c.lengths_within("extra_topk_length", extra_topk_length, extra_indices.shape[-1])
+            c.slots_valid("extra_indices", extra_indices, layout.capacity(extra_k_cache, extra_page_size),
+                          counted_mask(extra_indices, extra_topk_length))
+    return batch, s_q, heads
+
+
+def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, *, data: bool) -> tuple[int, int]:
+    c = Checker("flash_mla_sparse_fwd")
+    c.tensor("q", q, (torch.bfloat16,), [None, None, layout.HEAD_DIM])
+    s_q, heads = q.shape[:2]
+    device = q.device
+    c.tensor("kv", kv, (torch.bfloat16,), [None, 1, layout.HEAD_DIM], device)
+    c.tensor("indices", indices, (torch.int32,), [s_q, 1, None], device)
+    c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
+    c.optional("topk_length", topk_length, (torch.int32,), [s_q], device)
+    if d_v != layout.HEAD_DIM:
+        c.fail("d_v", f"{layout.HEAD_DIM} (V is the full key)", d_v)
+    if not isinstance(sm_scale, float):
+        c.fail("sm_scale", "a float", sm_scale, TypeError)
+    if data and data_checks_apply(device):
+        c.lengths_within("topk_length", topk_length, indices.shape[-1])
+    return s_q, heads
+
+
+def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
+    c = Checker("get_mla_metadata")
+    c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
+    batch, s_q, heads = q.shape[:3]
+    device = q.device
+    c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
+    c.optional("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+    if extra_indices is None and extra_topk_length is not None:
+        c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
+    c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)
+    return batch, s_q, heads
