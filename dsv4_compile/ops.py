@@ -49,10 +49,15 @@ for _schema in SCHEMAS.values():
 
 
 def decode_outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``out [B, s_q, H, head_dim_v]`` bf16 and ``lse [B, H, s_q]`` fp32, both contiguous."""
+    """Empty ``out [B, s_q, H, head_dim_v]`` bf16 (contiguous) and ``lse [B, H, s_q]`` fp32.
+
+    ``lse`` is stored row-major as ``[B, s_q, H]`` and returned transposed (strides
+    ``(s_q*H, 1, H)``), as FlashMLA allocates it; so one query row's statistics are contiguous and
+    ``s_q = 1`` rows of an MTP batch map onto it without a copy.
+    """
     batch, s_q, heads = q.shape[:3]
     out = q.new_empty(batch, s_q, heads, head_dim_v)
-    lse = q.new_empty(batch, heads, s_q, dtype=torch.float32)
+    lse = q.new_empty(batch, s_q, heads, dtype=torch.float32).transpose(1, 2)
     return out, lse
 
 

@@ -149,7 +149,7 @@ def flash_mla_with_kvcache(
     width = idx.shape[1] + (0 if extra_idx is None else extra_idx.shape[1])
     step = _rows_per_chunk(width, heads)
     out, lse = ops.decode_outputs(q, head_dim_v)  # [B, s_q, H, dv], [B, H, s_q]
-    out, lse_rows = out.view(rows, heads, head_dim_v), lse.new_empty(rows, heads)
+    out_rows, lse_rows = out.view(rows, heads, head_dim_v), lse.transpose(1, 2).view(rows, heads)
     for start in range(0, rows, step):
         sl = slice(start, start + step)
         keys, valid = _cache_keys(k_cache, page_size, idx[sl], None if lengths is None else lengths[sl])
@@ -160,10 +160,9 @@ def flash_mla_with_kvcache(
             )
             keys, valid = torch.cat([keys, ek], 1), torch.cat([valid, ev], 1)
         o, _, l = sparse_attention(q_rows[sl], keys, valid, softmax_scale, attn_sink)
-        out[sl] = o[..., :head_dim_v].to(out.dtype)
+        out_rows[sl] = o[..., :head_dim_v].to(out.dtype)
         lse_rows[sl] = l
-    lse.copy_(lse_rows.view(batch, s_q, heads).transpose(1, 2))
-    return out.view(batch, s_q, heads, head_dim_v), lse
+    return out, lse
 
 
 def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
