@@ -55,6 +55,10 @@ def checked(enabled: bool = True) -> Iterator[None]:
 def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+    if isinstance(t, str):
+        return t
+    if isinstance(t, tuple):
+        return "(" + ", ".join(_describe(x) for x in t) + ")"
     return repr(t)
 
 
@@ -119,9 +123,9 @@ class Checker:
         if not cache.is_contiguous():
             self.fail(
                 arg,
-                f"{expected}, contiguous (its row length is the page stride); "
-                f"got strides {tuple(cache.stride())} for",
-                cache,
+                f"{expected} and contiguous (its row length is the page stride); pass the base "
+                f"tensor, not a slice of it",
+                f"{_describe(cache)} with strides {tuple(cache.stride())}",
             )
         if cache.device != device:
             raise ValueError(

@@ -1,0 +1,162 @@
+"""Malformed calls: a clear error naming the argument, and not one cache byte changed."""
+
+import pytest
+import torch
+
+import dsv4_compile as d4
+from dsv4_compile import layout
+
+from helpers import filled_cache, rope_table, store_inputs
+
+STORE = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
+DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
+PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
+META = torch.ops.dsv4.get_mla_metadata.default
+P = 16
+
+
+def store_args(**over):
+    kv, w, freqs, pos = store_inputs(4, max_pos=64)
+    args = dict(kv=kv, kv_weight=w, freqs=freqs, positions=pos, out_loc=torch.tensor([0, 5, 17, -1]),
+                kvcache=None, eps=1e-6, page_size=P)
+    args.update(over)
+    return args
+
+
+def decode_args(**over):
+    q = torch.randn(2, 1, 8, 512, dtype=torch.bfloat16)
+    args = dict(q=q, k_cache=None, page_size=P, indices=torch.tensor([[[0, 3, -1]], [[5, 6, 7]]], dtype=torch.int32),
+                topk_length=None, attn_sink=None, extra_k_cache=None, extra_page_size=1, extra_indices=None,
+                extra_topk_length=None, tile_scheduler_metadata=None, num_splits=None, softmax_scale=0.1, head_dim_v=512)
+    args.update(over)
+    return args
+
+
+def prefill_args(**over):
+    args = dict(q=torch.randn(3, 8, 512, dtype=torch.bfloat16), kv=torch.randn(6, 1, 512, dtype=torch.bfloat16),
+                indices=torch.zeros(3, 1, 4, dtype=torch.int32), sm_scale=0.1, d_v=512, attn_sink=None, topk_length=None)
+    args.update(over)
+    return args
+
+
+CACHE_SHAPE = (2, layout.page_bytes(P))
+
+# (op, argument builder, overrides, exception, argument named in the message)
+CASES = [
+    # the store
+    ("store", dict(kv=torch.randn(4, 576, dtype=torch.bfloat16)), ValueError, "kv"),
+    ("store", dict(kv=torch.randn(4, 512, dtype=torch.float64)), TypeError, "kv"),
+    ("store", dict(kv=torch.randn(512, 4, dtype=torch.bfloat16).t()), ValueError, "kv"),
+    ("store", dict(kv_weight=torch.ones(512, dtype=torch.float16)), TypeError, "kv_weight"),
+    ("store", dict(freqs=rope_table(64).double()), TypeError, "freqs"),
+    ("store", dict(freqs=torch.randn(64, 32, dtype=torch.complex64)), TypeError, "freqs"),
+    ("store", dict(positions=torch.zeros(3, dtype=torch.int64)), ValueError, "positions"),
+    ("store", dict(positions=torch.zeros(4)), TypeError, "positions"),
+    ("store", dict(out_loc=torch.zeros(4, dtype=torch.int16)), TypeError, "out_loc"),
+    ("store", dict(out_loc=torch.tensor([0, 5, 32, -1])), ValueError, "out_loc"),  # == capacity
+    ("store", dict(positions=torch.tensor([0, 1, 64, 2])), ValueError, "positions"),  # past freqs
+    ("store", dict(page_size=0), ValueError, "page_size"),
+    ("store", dict(page_size=64), ValueError, "kvcache"),  # page stride too small for 64 tokens
+    ("store", dict(kvcache="fp8view"), TypeError, "kvcache"),
+    ("store", dict(kvcache="sliced"), ValueError, "kvcache"),
+    ("store", dict(eps=-1.0), ValueError, "eps"),
+    # the decode
+    ("decode", dict(q=torch.randn(2, 1, 8, 512)), TypeError, "q"),
+    ("decode", dict(q=torch.randn(2, 8, 576, dtype=torch.bfloat16)), ValueError, "q"),
+    ("decode", dict(k_cache="fp8view"), TypeError, "k_cache"),
+    ("decode", dict(indices=torch.zeros(2, 1, 3, dtype=torch.int64)), TypeError, "indices"),
+    ("decode", dict(indices=torch.zeros(3, 1, 3, dtype=torch.int32)), ValueError, "indices"),
+    ("decode", dict(indices=torch.tensor([[[0, 3, 32]], [[5, 6, 7]]], dtype=torch.int32)), ValueError, "indices"),
+    ("decode", dict(indices=torch.tensor([[[0, -2, 1]], [[5, 6, 7]]], dtype=torch.int32)), ValueError, "indices"),
+    ("decode", dict(topk_length=torch.tensor([4, 1], dtype=torch.int32)), ValueError, "topk_length"),
+    ("decode", dict(topk_length=torch.tensor([1, 1])), TypeError, "topk_length"),
+    ("decode", dict(attn_sink=torch.zeros(4)), ValueError, "attn_sink"),
+    ("decode", dict(attn_sink=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "attn_sink"),
+    ("decode", dict(extra_indices=torch.zeros(2, 1, 3, dtype=torch.int32)), ValueError, "extra_indices"),
+    ("decode", dict(extra_k_cache="cache", extra_page_size=2), ValueError, "extra_indices"),
+    ("decode", dict(extra_k_cache="cache", extra_page_size=0, extra_indices=torch.zeros(2, 1, 3, dtype=torch.int32)), ValueError, "extra_page_size"),
+    ("decode", dict(tile_scheduler_metadata=torch.zeros(4, 8, dtype=torch.int32)), ValueError, "num_splits"),
+    ("decode", dict(head_dim_v=448), ValueError, "head_dim_v"),
+    ("decode", dict(page_size=-3), ValueError, "page_size"),
+    # the prefill
+    ("prefill", dict(kv=torch.randn(6, 512, dtype=torch.bfloat16)), ValueError, "kv"),
+    ("prefill", dict(indices=torch.zeros(3, 2, 4, dtype=torch.int32)), ValueError, "indices"),
+    ("prefill", dict(topk_length=torch.tensor([1, 5, 2], dtype=torch.int32)), ValueError, "topk_length"),
+    ("prefill", dict(d_v=256), ValueError, "d_v"),
+    ("prefill", dict(q=torch.randn(3, 8, 512, dtype=torch.float16)), TypeError, "q"),
+]
+
+
+def resolve_cache(value, cache):
+    if value == "fp8view":
+        return d4.flashmla_view(cache, P)
+    if value == "sliced":
+        return cache[:, : P * 584]
+    if value == "cache":
+        return cache
+    return cache if value is None else value
+
+
+@pytest.mark.parametrize("op,over,exc,arg", CASES, ids=[f"{c[0]}-{i}-{c[3]}" for i, c in enumerate(CASES)])
+def test_rejected_with_named_argument_and_cache_untouched(op, over, exc, arg):
+    cache, _ = filled_cache(*CACHE_SHAPE[:1], P)
+    extra, _ = filled_cache(2, 2)
+    before, extra_before = cache.clone(), extra.clone()
+    if op == "store":
+        args = store_args(**over)
+        args["kvcache"] = resolve_cache(args["kvcache"], cache)
+        fn = STORE
+    elif op == "decode":
+        args = decode_args(**over)
+        args["k_cache"] = resolve_cache(args["k_cache"], cache)
+        if isinstance(args["extra_k_cache"], str):
+            args["extra_k_cache"] = extra
+        fn = DECODE
+    else:
+        args, fn = prefill_args(**over), PREFILL
+    with pytest.raises(exc) as info:
+        fn(*args.values())
+    message = str(info.value)
+    assert arg in message and "must be" in message and "got" in message, message
+    assert torch.equal(cache, before) and torch.equal(extra, extra_before)
+
+
+def test_table_size():
+    assert len(CASES) >= 15
+
+
+def test_error_message_shows_expected_and_actual():
+    cache = d4.alloc_cache(12, 256)
+    with pytest.raises(TypeError) as info:
+        d4.flash_mla_with_kvcache(torch.randn(1, 1, 64, 512, dtype=torch.bfloat16), d4.flashmla_view(cache, 256), 256,
+                                  torch.zeros(1, 1, 64, dtype=torch.int32))
+    msg = str(info.value)
+    assert "uint8" in msg and "149760" in msg and "float8_e4m3fn [12, 256, 1, 584]" in msg and "base tensor" in msg
+
+
+def test_metadata_rejects_mismatched_indices():
+    with pytest.raises(ValueError, match="indices"):
+        META(torch.randn(2, 1, 8, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 4, dtype=torch.int32), None, None, None)
+
+
+def test_fake_raises_the_same_errors():
+    """Under FakeTensorMode (what torch.compile traces with) the metadata errors are identical."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = decode_args(k_cache=d4.alloc_cache(2, P), attn_sink=torch.zeros(4))
+    with pytest.raises(ValueError) as eager:
+        DECODE(*args.values())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args.values()]
+        with pytest.raises(ValueError) as fake:
+            DECODE(*fake_args)
+    assert str(fake.value) == str(eager.value)
+
+
+def test_grad_inputs_are_rejected():
+    args = prefill_args()
+    args["q"].requires_grad_()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        PREFILL(*args.values())
+    with torch.no_grad():
+        PREFILL(*args.values())

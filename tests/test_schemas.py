@@ -1,0 +1,50 @@
+"""The op schemas are the contract: pinned here so any change is a visible diff."""
+
+import expecttest
+import torch
+
+import dsv4_compile  # noqa: F401
+
+
+def schema(name: str) -> str:
+    return str(getattr(torch.ops.dsv4, name).default._schema)
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_store(self):
+        self.assertExpectedInline(
+            schema("fused_k_norm_rope_flashmla"),
+            """dsv4::fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size) -> ()""",
+        )
+
+    def test_decode(self):
+        self.assertExpectedInline(
+            schema("flash_mla_with_kvcache"),
+            """dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, Tensor? num_splits, float softmax_scale, int head_dim_v) -> (Tensor out, Tensor lse)""",
+        )
+
+    def test_prefill(self):
+        self.assertExpectedInline(
+            schema("flash_mla_sparse_fwd"),
+            """dsv4::flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, Tensor? topk_length=None) -> (Tensor out, Tensor max_logits, Tensor lse)""",
+        )
+
+    def test_metadata(self):
+        self.assertExpectedInline(
+            schema("get_mla_metadata"),
+            """dsv4::get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)""",
+        )
+
+    def test_only_the_cache_is_mutable(self):
+        for name in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"):
+            args = getattr(torch.ops.dsv4, name).default._schema.arguments
+            written = [a.name for a in args if a.alias_info is not None and a.alias_info.is_write]
+            self.assertEqual(written, ["kvcache"] if name == "fused_k_norm_rope_flashmla" else [])
+
+    def test_no_composite_implicit_kernel(self):
+        # CompositeImplicitAutograd would decompose the op under compile; it must stay one node.
+        for name in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"):
+            qualname = f"dsv4::{name}"
+            self.assertFalse(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeImplicitAutograd"))
+            for key in ("CPU", "CUDA", "XPU", "CompositeExplicitAutograd", "Meta"):
+                self.assertTrue(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key), (name, key))
