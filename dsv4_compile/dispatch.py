@@ -80,6 +80,15 @@ def register_provider(provider: Provider) -> None:
         _registry.cache.clear()
 
 
+def unregister_provider(name: str, device_type: str) -> None:
+    """Remove a provider (no error if absent) and forget cached resolutions."""
+    with _registry.lock:
+        _registry.providers = [
+            p for p in _registry.providers if (p.name, p.device_type) != (name, device_type)
+        ]
+        _registry.cache.clear()
+
+
 def registered_providers(device_type: str) -> list[str]:
     """Names of the providers registered for ``device_type``, best first."""
     return [p.name for p in _candidates(device_type)]

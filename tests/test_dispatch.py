@@ -1,0 +1,133 @@
+"""Provider resolution, the override switch, fallback warnings and checked mode."""
+
+import warnings
+
+import pytest
+import torch
+
+import dsv4_compile as d4
+from dsv4_compile import checks, dispatch
+from dsv4_compile.kernels import reference
+
+from helpers import filled_cache, random_indices
+
+
+def test_cpu_is_served_by_the_reference():
+    assert d4.providers("cpu") == {op: "reference" for op in dispatch.OPS}
+
+
+@pytest.fixture
+def fake_provider():
+    """A CPU provider above the reference that records its calls and delegates to the reference."""
+    calls = []
+
+    def load(device):
+        def decode(*args):
+            calls.append(device)
+            return reference.flash_mla_with_kvcache(*args)
+
+        return {"flash_mla_with_kvcache": decode}
+
+    dispatch.register_provider(dispatch.Provider("recording", "cpu", load, priority=10))
+    yield calls
+    dispatch.unregister_provider("recording", "cpu")
+
+
+def decode_once():
+    cache, _ = filled_cache(2, 4)
+    q = torch.randn(1, 1, 4, 512, dtype=torch.bfloat16)
+    return d4.flash_mla_with_kvcache(q, cache, 4, random_indices((1, 1, 5), 8))
+
+
+def test_higher_priority_provider_serves_its_ops(fake_provider):
+    assert d4.providers("cpu")["flash_mla_with_kvcache"] == "recording"
+    assert d4.providers("cpu")["flash_mla_sparse_fwd"] == "reference"  # it does not implement prefill
+    decode_once()
+    assert fake_provider == [torch.device("cpu")]
+
+
+def test_use_provider_forces_the_reference(fake_provider):
+    with d4.use_provider("reference"):
+        assert d4.providers("cpu")["flash_mla_with_kvcache"] == "reference"
+        decode_once()
+    assert fake_provider == []
+    with d4.use_provider("reference", ops=("flash_mla_sparse_fwd",)):
+        decode_once()
+    assert len(fake_provider) == 1
+
+
+def test_env_override(monkeypatch, fake_provider):
+    monkeypatch.setenv(dispatch.PROVIDER_ENV, "flash_mla_with_kvcache=reference")
+    assert d4.providers("cpu")["flash_mla_with_kvcache"] == "reference"
+    monkeypatch.setenv(dispatch.PROVIDER_ENV, "reference")
+    assert d4.providers("cpu")["flash_mla_with_kvcache"] == "reference"
+    monkeypatch.setenv(dispatch.PROVIDER_ENV, "nonsense_op=reference")
+    with pytest.raises(ValueError, match="nonsense_op"):
+        d4.providers("cpu")
+
+
+def test_forcing_an_unregistered_provider_is_an_error():
+    with d4.use_provider("flashmla"):
+        with pytest.raises(d4.ProviderUnavailable, match="flashmla"):
+            decode_once()
+
+
+def test_unknown_op_in_override():
+    with pytest.raises(ValueError, match="unknown op"):
+        with d4.use_provider("reference", ops=("flash_attn",)):
+            pass
+
+
+def test_unavailable_provider_falls_back_with_one_warning():
+    def load(device):
+        raise dispatch.ProviderUnavailable("libfoo is not installed: pip install foo")
+
+    dispatch.register_provider(dispatch.Provider("foo", "cpu", load, priority=5))
+    try:
+        with pytest.warns(RuntimeWarning, match="libfoo is not installed"):
+            decode_once()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            decode_once()  # warned once only
+        with d4.use_provider("foo"):
+            with pytest.raises(d4.ProviderUnavailable, match="libfoo"):
+                decode_once()
+    finally:
+        dispatch.unregister_provider("foo", "cpu")
+        dispatch.reset()
+
+
+def test_checked_mode_switches():
+    gpu = torch.device("cuda", 0)
+    assert not checks.data_checks_apply(gpu)
+    assert checks.data_checks_apply(torch.device("cpu"))  # the reference on CPU always checks
+    with d4.checked():
+        assert d4.checked_mode() and checks.data_checks_apply(gpu)
+        with d4.checked(False):
+            assert not checks.data_checks_apply(gpu)
+    assert not d4.checked_mode()
+
+
+def test_checked_mode_env(monkeypatch):
+    monkeypatch.setenv(checks.CHECKED_ENV, "1")
+    assert d4.checked_mode()
+    monkeypatch.setenv(checks.CHECKED_ENV, "0")
+    assert not d4.checked_mode()
+
+
+def test_redispatch_to_a_device_key_resolves_that_device_type():
+    """The kernel bound to the XPU key resolves XPU providers even for CPU tensors."""
+    seen = []
+
+    def load(device):
+        seen.append(device.type)
+        return {"get_mla_metadata": reference.get_mla_metadata}
+
+    dispatch.register_provider(dispatch.Provider("probe", "xpu", load, priority=5))
+    try:
+        q = torch.randn(1, 1, 8, 512, dtype=torch.bfloat16)
+        ks = torch._C.DispatchKeySet(torch._C.DispatchKey.XPU)
+        torch.ops.dsv4.get_mla_metadata.default.redispatch(ks, q, random_indices((1, 1, 4), 8), None, None, None)
+        assert seen == ["xpu"]
+    finally:
+        dispatch.unregister_provider("probe", "xpu")
