@@ -53,7 +53,13 @@ class Provider:
     device_type: str  # "cuda", "xpu", "cpu", ... or "*" for every device type
     load: Callable[[torch.device], Mapping[str, Callable]]
     priority: int = 0  # higher wins
-    warn_on_fallback: bool = True  # warn once when a lower provider serves instead
+    ops: tuple[str, ...] = OPS  # the ops it can serve (when available)
+    #: a fallback (a slower path: Triton, the reference) warns once when it serves an op because
+    #: a provider above it could not
+    fallback: bool = False
+    #: ``(device, batch, s_q, heads) -> (metadata shape, num_splits shape)`` for a provider whose
+    #: ``get_mla_metadata`` returns a real scheduler; ``None``: two empty tensors.
+    metadata_shapes: Callable | None = None
 
 
 @dataclass
@@ -146,8 +152,11 @@ def use_provider(name: str, ops: tuple[str, ...] | None = None) -> Iterator[None
         _override.forced = previous
 
 
-def _candidates(device_type: str) -> list[Provider]:
-    return [p for p in _registry.providers if p.device_type in (device_type, "*")]
+def _candidates(device_type: str, op: str | None = None) -> list[Provider]:
+    return [
+        p for p in _registry.providers
+        if p.device_type in (device_type, "*") and (op is None or op in p.ops)
+    ]
 
 
 def _load(provider: Provider, device: torch.device) -> Mapping[str, Callable]:
@@ -165,6 +174,19 @@ def _load(provider: Provider, device: torch.device) -> Mapping[str, Callable]:
 
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """The provider name and kernel that serve ``op`` on ``device`` under the current override."""
+    provider, kernel = _resolve(op, device)
+    return provider.name, kernel
+
+
+def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int) -> tuple[tuple, tuple]:
+    """Shapes of ``get_mla_metadata``'s outputs from the provider that serves it on ``device``."""
+    provider, _ = _resolve("get_mla_metadata", device)
+    if provider.metadata_shapes is None:
+        return (0,), (0,)
+    return provider.metadata_shapes(device, batch, s_q, heads)
+
+
+def _resolve(op: str, device: torch.device) -> tuple[Provider, Callable]:
     if op not in OPS:
         raise ValueError(f"unknown dsv4 op {op!r}; expected one of {OPS}")
     forced = (_forced() or {}).get(op)
@@ -172,18 +194,18 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     hit = _registry.cache.get(key)
     if hit is not None:
         return hit
-    candidates = _candidates(device.type)
+    candidates = _candidates(device.type, op)
     if forced is not None:
         chosen = [p for p in candidates if p.name == forced]
         if not chosen:
             raise ProviderUnavailable(
                 f"provider {forced!r} forced for dsv4.{op} is not registered for {device.type}; "
-                f"registered: {[p.name for p in candidates]}"
+                f"registered for this op: {[p.name for p in candidates]}"
             )
         kernels = _load(chosen[0], device)
         if op not in kernels:
             raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} does not implement it")
-        result = (forced, kernels[op])
+        result = (chosen[0], kernels[op])
     else:
         skipped = []
         result = None
@@ -191,18 +213,17 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
             try:
                 kernels = _load(provider, device)
             except ProviderUnavailable as exc:
-                if provider.warn_on_fallback:
-                    skipped.append(f"{provider.name!r}: {exc}")
+                skipped.append(f"{provider.name!r}: {exc}")
                 continue
             if op in kernels:
-                result = (provider.name, kernels[op])
+                result = (provider, kernels[op])
                 break
         if result is None:  # the reference provider serves every op; reaching this is a bug
             raise ProviderUnavailable(f"no provider serves dsv4.{op} on {device}")
-        if skipped and (op, str(device)) not in _registry.warned:
+        if skipped and result[0].fallback and (op, str(device)) not in _registry.warned:
             _registry.warned.add((op, str(device)))
             warnings.warn(
-                f"dsv4.{op} on {device} uses provider {result[0]!r}; skipped "
+                f"dsv4.{op} on {device} uses provider {result[0].name!r}; skipped "
                 + "; ".join(skipped),
                 RuntimeWarning,
                 stacklevel=3,

@@ -69,16 +69,11 @@ def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tens
     return out, max_logits, torch.empty_like(max_logits)
 
 
-#: Shapes of ``(tile_scheduler_metadata, num_splits)`` per device type, as
-#: ``f(device, batch, s_q, heads) -> (shape, shape)``. Device types without a scheduler are absent
-#: and return two empty tensors; a kernel module with a scheduler registers its shapes here.
-METADATA_SHAPES: dict = {}
-
-
 def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(tile_scheduler_metadata, num_splits)`` int32 of the shapes the provider that serves
+    ``get_mla_metadata`` on ``q.device`` produces (``(0,)`` each where there is no scheduler)."""
     batch, s_q, heads = q.shape[:3]
-    shapes = METADATA_SHAPES.get(q.device.type)
-    meta_shape, splits_shape = shapes(q.device, batch, s_q, heads) if shapes else ((0,), (0,))
+    meta_shape, splits_shape = dispatch.metadata_shapes(q.device, batch, s_q, heads)
     return (
         q.new_empty(meta_shape, dtype=torch.int32),
         q.new_empty(splits_shape, dtype=torch.int32),

@@ -1,10 +1,17 @@
 """Kernels by provider. Each module registers a :class:`dsv4_compile.dispatch.Provider`.
 
 * :mod:`.reference` — plain PyTorch, every device, the executable spec.
+* :mod:`.flashmla` — CUDA decode / prefill / scheduler through FlashMLA (sgl_kernel or flash_mla).
+* :mod:`.xpu` — sgl-kernel-xpu (``sgl_kernel``) on Intel GPUs.
+
+Registering a provider imports no device library: each provider loads lazily, at first use.
 """
 
 from .. import dispatch
-from . import reference
+from . import flashmla, reference, xpu
+
+flashmla.register()
+xpu.register()
 
 dispatch.register_provider(
     dispatch.Provider(
@@ -12,6 +19,6 @@ dispatch.register_provider(
         device_type="*",
         load=lambda device: reference.KERNELS,
         priority=-1000,
-        warn_on_fallback=False,
+        fallback=True,
     )
 )

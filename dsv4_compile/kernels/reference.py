@@ -97,7 +97,8 @@ def sparse_attention(
     """
     scores = torch.einsum("nhd,nkd->nhk", q.float(), keys.float()) * scale
     scores = scores.masked_fill(~valid[:, None, :], -math.inf)
-    max_logits = scores.amax(-1)  # [n, H]
+    # [n, H]; amax refuses an empty dim: a row with no index column gets -inf directly
+    max_logits = scores.amax(-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], -math.inf)
     empty = ~valid.any(-1)[:, None]  # [n, 1]
     lse = torch.logsumexp(scores, -1)  # -inf for empty rows
     weights = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # softmax without the sink

@@ -1,0 +1,291 @@
+"""CUDA sparse decode / prefill / scheduler through FlashMLA's registered ops.
+
+Two providers, tried in this order:
+
+* ``sgl_kernel`` — ``torch.ops.sgl_kernel.*`` from sgl-kernel / sglang-kernel
+  (``import sgl_kernel.flash_mla`` loads them); cubins for SM90 and SM100.
+* ``flashmla`` — ``torch.ops.flash_mla_legacy.*`` from sgl-flash-mla (``import flash_mla``). Its
+  *legacy* kernels are the ones that read the V4 584-byte layout (SM90, SM100); the current
+  ``torch.ops.flash_mla`` kernels read only the V4.1 layouts and are not used.
+
+Both expose the same ``sparse_decode_fwd`` / ``sparse_prefill_fwd`` ops; we call them directly —
+our op *is* the wrapper, with no scheduler object and no per-call Python asserts. The adapters
+absorb every restriction of those kernels (DESIGN §2.3, §6):
+
+* heads: padded with zero queries to 64 or 128 (more than 128: groups of 128), outputs sliced;
+* index widths: padded with ``-1`` to a multiple of 64 (decode) / 128 (prefill);
+* the cache: the 4-D ``float8_e4m3fn [num_pages, P, 1, 584]`` view is built here from the base
+  uint8 tensor, page stride kept;
+* statistics: always natural log, always three prefill outputs;
+* scheduler metadata: plain tensors (see :func:`_metadata`), or computed inside the call.
+
+Everything is sized from shapes: no host sync, capture-safe, unless checked mode is on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import checks, dispatch, layout, ops
+
+DECODE_TOPK_MULTIPLE = 64
+PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
+MAX_GROUP_HEADS = 128
+LN2 = math.log(2.0)
+
+
+def padded_heads(heads: int) -> int:
+    """Heads per kernel call: 64 or 128 (groups of 128 beyond that)."""
+    return 64 if heads <= 64 else MAX_GROUP_HEADS
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def _pad_last(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]), value=value)
+
+
+def _head_groups(heads: int):
+    """``(start, stop, padded)`` per kernel call."""
+    padded = padded_heads(heads)
+    for start in range(0, heads, padded):
+        yield start, min(start + padded, heads), padded
+
+
+def _pad_heads(t: torch.Tensor, dim: int, start: int, stop: int, padded: int) -> torch.Tensor:
+    """Heads ``start:stop`` of ``t`` along ``dim``, zero-padded to ``padded``."""
+    part = t.narrow(dim, start, stop - start)
+    if stop - start == padded:
+        return part
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, padded - (stop - start)]
+    return F.pad(part, pad)
+
+
+class FlashMLAKernels:
+    """The dsv4 kernels over one FlashMLA op namespace (``torch.ops.sgl_kernel`` or
+    ``torch.ops.flash_mla_legacy``). ``prefill_log2``: the namespace's prefill returns base-2
+    statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``)."""
+
+    def __init__(self, namespace, prefill_log2: bool, prefill_has_stats_flags: bool):
+        self.ns = namespace
+        self.prefill_log2 = prefill_log2
+        self.prefill_has_stats_flags = prefill_has_stats_flags
+
+    # ---- decode ----
+
+    def _raw_decode(self, q, kv, idx, lengths, sink, meta, splits, extra_kv, extra_idx, extra_lengths, scale):
+        return self.ns.sparse_decode_fwd.default(
+            q, kv, idx, lengths, sink, meta, splits, extra_kv, extra_idx, extra_lengths,
+            layout.HEAD_DIM, scale,
+        )
+
+    def _scheduler(self, q, indices, topk_length, extra_indices, extra_topk_length):
+        """The exact scheduler FlashMLA's decode computes for these shapes and length values.
+
+        FlashMLA has no standalone op for the sparse-decode scheduler, so run its decode once with
+        every index a hole over a one-page dummy cache: it schedules from ``topk_length`` /
+        ``extra_topk_length`` and the widths only, reads no key, and returns the fresh metadata.
+        """
+        batch, s_q, heads = q.shape[:3]
+        padded = padded_heads(heads)
+        qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
+        dummy = _dummy_cache(q.device)
+        width = _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE)
+        holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
+        extra_kv = extra_holes = None
+        if extra_indices is not None:
+            extra_kv = dummy
+            extra_width = _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
+            extra_holes = torch.full((batch, s_q, extra_width), -1, dtype=torch.int32, device=q.device)
+        _, _, meta, splits = self._raw_decode(
+            qp, dummy, holes, topk_length, None, None, None,
+            extra_kv, extra_holes, extra_topk_length if extra_indices is not None else None, 1.0,
+        )
+        return meta, splits
+
+    def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
+        checks.check_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
+        return self._scheduler(q, indices, topk_length, extra_indices, extra_topk_length)
+
+    def flash_mla_with_kvcache(
+        self, q, k_cache, page_size, indices, topk_length, attn_sink,
+        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    ):
+        batch, s_q, heads = checks.check_decode(
+            q, k_cache, page_size, indices, topk_length, attn_sink,
+            extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+            tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
+        )
+        if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
+            return ops.decode_outputs(q, head_dim_v)
+        # metadata from another provider (empty) means "compute it inside"
+        if tile_scheduler_metadata is not None and tile_scheduler_metadata.numel() == 0:
+            tile_scheduler_metadata = num_splits = None
+        if tile_scheduler_metadata is not None and checks.checked_mode():
+            _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
+                         tile_scheduler_metadata, num_splits)
+        kv = layout.flashmla_view(k_cache, page_size)
+        idx = _pad_last(indices, _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
+        extra_kv = extra_idx = None
+        if extra_k_cache is not None:
+            extra_kv = layout.flashmla_view(extra_k_cache, extra_page_size)
+            extra_idx = _pad_last(extra_indices, _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
+
+        groups = list(_head_groups(heads))
+        if len(groups) == 1 and groups[0][2] == heads:  # no padding: the kernel's outputs are ours
+            out, lse, _, _ = self._raw_decode(
+                q, kv, idx, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                extra_kv, extra_idx, extra_topk_length, softmax_scale,
+            )
+            return out, lse
+        out, lse = ops.decode_outputs(q, head_dim_v)
+        for start, stop, padded in groups:
+            qg = _pad_heads(q, 2, start, stop, padded)
+            sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
+            o, l, _, _ = self._raw_decode(
+                qg, kv, idx, topk_length, sink, tile_scheduler_metadata, num_splits,
+                extra_kv, extra_idx, extra_topk_length, softmax_scale,
+            )
+            out[:, :, start:stop] = o[:, :, : stop - start]
+            lse[:, start:stop] = l[:, : stop - start]
+        return out, lse
+
+    # ---- prefill ----
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+        s_q, heads = checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
+        if s_q == 0 or kv.shape[0] == 0:  # nothing to attend; FlashMLA refuses empty launches
+            out, max_logits, lse = ops.prefill_outputs(q, d_v)
+            return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
+        idx = _pad_last(indices, _round_up(indices.shape[-1], PREFILL_TOPK_MULTIPLE), -1)
+        groups = list(_head_groups(heads))
+        unpadded = len(groups) == 1 and groups[0][2] == heads
+        if unpadded:
+            return self._raw_prefill(q, kv, idx, sm_scale, attn_sink, topk_length)
+        out, max_logits, lse = ops.prefill_outputs(q, d_v)
+        for start, stop, padded in groups:
+            qg = _pad_heads(q, 1, start, stop, padded)
+            sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
+            o, m, l = self._raw_prefill(qg, kv, idx, sm_scale, sink, topk_length)
+            out[:, start:stop] = o[:, : stop - start]
+            max_logits[:, start:stop] = m[:, : stop - start]
+            lse[:, start:stop] = l[:, : stop - start]
+        return out, max_logits, lse
+
+    def _raw_prefill(self, q, kv, idx, sm_scale, sink, topk_length):
+        if self.prefill_has_stats_flags:  # legacy: natural-log statistics, always returned
+            out, max_logits, lse = self.ns.sparse_prefill_fwd.default(
+                q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length, False, True
+            )
+        else:
+            out, max_logits, lse = self.ns.sparse_prefill_fwd.default(
+                q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length
+            )
+        if self.prefill_log2:  # base-2 statistics -> natural log (+-inf stay +-inf)
+            max_logits, lse = max_logits * LN2, lse * LN2
+        return out, max_logits, lse
+
+    def kernels(self) -> dict:
+        return {
+            "flash_mla_with_kvcache": self.flash_mla_with_kvcache,
+            "flash_mla_sparse_fwd": self.flash_mla_sparse_fwd,
+            "get_mla_metadata": self.get_mla_metadata,
+        }
+
+
+def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_length, meta, splits):
+    """Checked mode: hoisted metadata must equal the scheduler for the current length values."""
+    fresh_meta, fresh_splits = kernels._scheduler(q, indices, topk_length, extra_indices, extra_topk_length)
+    if not (torch.equal(fresh_meta, meta) and torch.equal(fresh_splits, splits)):
+        raise ValueError(
+            "dsv4.flash_mla_with_kvcache: tile_scheduler_metadata/num_splits must be computed by "
+            "get_mla_metadata for the current topk_length/extra_topk_length values, got metadata that "
+            "differs from the current schedule (stale: computed before the lengths changed?)"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy_cache(device: torch.device) -> torch.Tensor:
+    """A zeroed one-page V4 cache view (64 tokens) for scheduler-only calls."""
+    return layout.flashmla_view(layout.alloc_cache(1, 64, device), 64)
+
+
+# ---- capability gating and providers ----
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _require_capability(device: torch.device, what: str) -> None:
+    major, minor = _capability(device)
+    if (major, minor) != (9, 0) and major != 10:
+        raise dispatch.ProviderUnavailable(
+            f"{what} serves SM90 and SM100 GPUs only; {device} is sm_{major}{minor}"
+        )
+
+
+def _load_sgl_kernel(device: torch.device) -> dict:
+    try:
+        importlib.import_module("sgl_kernel.flash_mla")
+    except Exception as exc:  # ImportError, or a library built for another torch
+        raise dispatch.ProviderUnavailable(f"sgl_kernel.flash_mla is not importable ({exc})") from None
+    _require_capability(device, "sgl_kernel.flash_mla")
+    ns = torch.ops.sgl_kernel
+    return FlashMLAKernels(ns, prefill_log2=True, prefill_has_stats_flags=False).kernels()
+
+
+def _load_flash_mla(device: torch.device) -> dict:
+    try:
+        flash_mla = importlib.import_module("flash_mla")
+    except Exception as exc:
+        raise dispatch.ProviderUnavailable(
+            f"flash_mla is not importable ({exc}); install sgl-flash-mla (pip install "
+            f"'dsv4_compile[cuda]')"
+        ) from None
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    if has_legacy is not None and not has_legacy():
+        raise dispatch.ProviderUnavailable("flash_mla was built without its legacy (V4 layout) kernels")
+    _require_capability(device, "flash_mla (legacy kernels)")
+    ns = torch.ops.flash_mla_legacy
+    return FlashMLAKernels(ns, prefill_log2=False, prefill_has_stats_flags=True).kernels()
+
+
+def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):
+    """FlashMLA's scheduler shapes: ``[num_sm_parts, 8]`` and ``[batch + 1]`` int32.
+
+    ``num_sm_parts`` as its sparse decode computes it for the padded head count ``h``:
+    SM90 ``max(sms // s_q // (h // 64), 1)``; SM100 ``max(sms // s_q, 1)`` for ``h = 64`` and
+    ``max(sms // s_q // 2, 1)`` for ``h = 128``.
+    """
+    h = padded_heads(heads)
+    major, _ = _capability(device)
+    sms = _num_sms(device)
+    divisor = (h // 64) if major == 9 else (1 if h == 64 else 2)
+    return (max(sms // s_q // divisor, 1), 8), (batch + 1,)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+
+
+def register() -> None:
+    dispatch.register_provider(dispatch.Provider(
+        "sgl_kernel", "cuda", _load_sgl_kernel, priority=30, ops=_FLASHMLA_OPS,
+        metadata_shapes=metadata_shapes,
+    ))
+    dispatch.register_provider(dispatch.Provider(
+        "flashmla", "cuda", _load_flash_mla, priority=20, ops=_FLASHMLA_OPS,
+        metadata_shapes=metadata_shapes,
+    ))

@@ -1,0 +1,181 @@
+"""The CUDA (FlashMLA) adapters on CPU, against stand-ins that follow FlashMLA's ops and checks.
+
+The CUDA kernels are reached through the dispatcher (a redispatch to the CUDA key with CPU
+tensors), so the real adapter code runs: head/width padding, the cache view, statistics
+conversion, scheduler metadata handling and provider choice.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import dsv4_compile as d4
+from dsv4_compile import dispatch, ops
+from dsv4_compile.kernels import flashmla, reference
+
+import flashmla_standin as standin
+from helpers import filled_cache, random_indices, sink
+
+CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+
+
+def on_cuda(op, *args):
+    return getattr(torch.ops.dsv4, op).default.redispatch(CUDA, *args)
+
+
+@pytest.fixture(params=["flashmla", "sgl_kernel"])
+def provider(request, monkeypatch):
+    standin.install(monkeypatch, request.param)
+    monkeypatch.setattr(flashmla, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
+    dispatch.reset()
+    standin.CALLS.clear()
+    yield request.param
+    dispatch.reset()
+
+
+def decode_case(heads, s_q=1, extra=True, width=100, lengths=True, sink_kind="random", batch=3):
+    cache, _ = filled_cache(4, 64, num_tokens=200)
+    ecache, _ = filled_cache(3, 2)
+    args = [
+        torch.randn(batch, s_q, heads, 512, dtype=torch.bfloat16), cache, 64,
+        random_indices((batch, s_q, width), 256),
+        torch.randint(0, width + 1, (batch,), dtype=torch.int32) if lengths else None,
+        sink(sink_kind, heads),
+        ecache if extra else None, 2,
+        random_indices((batch, s_q, 5), 6) if extra else None,
+        torch.tensor([5, 0, 3], dtype=torch.int32)[:batch] if extra and lengths else None,
+        None, None, 0.05, 512,
+    ]
+    return args
+
+
+def test_provider_choice(provider):
+    assert d4.providers("cuda:0") == {
+        "fused_k_norm_rope_flashmla": "reference",  # the Triton store registers separately
+        "flash_mla_with_kvcache": provider,
+        "flash_mla_sparse_fwd": provider,
+        "get_mla_metadata": provider,
+    }
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
+def test_unsupported_gpu_falls_back_with_a_warning(monkeypatch, capability):
+    standin.install(monkeypatch, "flashmla")
+    monkeypatch.setattr(flashmla, "_capability", lambda device: capability)
+    dispatch.reset()
+    try:
+        args = decode_case(64)
+        with pytest.warns(RuntimeWarning, match=f"sm_{capability[0]}{capability[1]}"):
+            out, lse = on_cuda("flash_mla_with_kvcache", *args)
+        want = reference.flash_mla_with_kvcache(*args)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    finally:
+        dispatch.reset()
+
+
+def test_no_flashmla_installed_falls_back(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_mla", None)
+    dispatch.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="sgl-flash-mla"):
+            on_cuda("flash_mla_with_kvcache", *decode_case(64))
+    finally:
+        dispatch.reset()
+
+
+@pytest.mark.parametrize("heads", [64, 128, 16, 96, 200])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("extra", [False, True])
+def test_decode_equals_reference(provider, heads, s_q, extra):
+    args = decode_case(heads, s_q, extra)
+    out, lse = on_cuda("flash_mla_with_kvcache", *args)
+    want_out, want_lse = reference.flash_mla_with_kvcache(*args)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    fake_out, fake_lse = ops.decode_outputs(args[0], 512)
+    assert out.stride() == fake_out.stride() and lse.stride() == fake_lse.stride()
+    for name, call in standin.CALLS:
+        assert call["q"].shape[2] in (64, 128)
+        assert call["indices"].shape[-1] % 64 == 0 and call["indices"].dtype == torch.int32
+        assert call["kv"].dtype == torch.float8_e4m3fn and call["kv"].shape[1:] == (64, 1, 584)
+        assert call["kv"].stride(0) == args[1].stride(0)
+        if extra:
+            assert call["extra_indices"].shape[-1] == 64 and call["extra_kv"].shape[1] == 2
+    assert len(standin.CALLS) == (2 if heads > 128 else 1)
+
+
+@pytest.mark.parametrize("sink_kind", ["none", "+inf", "-inf"])
+def test_decode_sinks_and_empty_rows(provider, sink_kind):
+    args = decode_case(64, sink_kind=sink_kind)
+    args[3][0] = -1  # request 0: no valid main index
+    args[4] = None
+    args[9] = torch.tensor([0, 5, 3], dtype=torch.int32)
+    out, lse = on_cuda("flash_mla_with_kvcache", *args)
+    want = reference.flash_mla_with_kvcache(*args)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+    assert torch.isposinf(lse[0]).all() and not out[0].any()
+
+
+def test_hoisted_metadata_is_identical_and_shaped_like_the_fake(provider):
+    args = decode_case(64, s_q=2)
+    q, idx, lengths, eidx, elen = args[0], args[3], args[4], args[8], args[9]
+    meta, splits = on_cuda("get_mla_metadata", q, idx, lengths, eidx, elen)
+    assert meta.shape == (standin.NUM_SMS // 2, 8) and splits.shape == (q.shape[0] + 1,)
+    assert (meta.shape, splits.shape) == flashmla.metadata_shapes(torch.device("cuda"), q.shape[0], 2, 64)
+    inside = on_cuda("flash_mla_with_kvcache", *args)
+    args[10], args[11] = meta, splits
+    hoisted = on_cuda("flash_mla_with_kvcache", *args)
+    assert torch.equal(inside[0], hoisted[0]) and torch.equal(inside[1], hoisted[1])
+    assert standin.CALLS[-1][1]["meta"] is meta  # passed through, not recomputed
+
+
+def test_stale_metadata_is_caught_in_checked_mode(provider):
+    args = decode_case(64)
+    meta, splits = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+    args[4] = torch.clamp(args[4] - 40, min=0).to(torch.int32)  # the lengths change after the schedule
+    args[10], args[11] = meta, splits
+    assert torch.isnan(on_cuda("flash_mla_with_kvcache", *args)[0]).any()  # what FlashMLA does
+    with d4.checked():
+        with pytest.raises(ValueError, match="stale"):
+            on_cuda("flash_mla_with_kvcache", *args)
+
+
+def test_empty_metadata_from_another_provider_means_compute_inside(provider):
+    args = decode_case(64)
+    args[10], args[11] = reference.get_mla_metadata(args[0], args[3], args[4], args[8], args[9])
+    out, _ = on_cuda("flash_mla_with_kvcache", *args)
+    assert standin.CALLS[-1][1]["meta"] is None
+    torch.testing.assert_close(out, reference.flash_mla_with_kvcache(*args)[0], atol=1e-5, rtol=1e-2)
+
+
+@pytest.mark.parametrize("heads", [64, 128, 8, 130])
+@pytest.mark.parametrize("sink_kind", ["random", "none"])
+def test_prefill_equals_reference_with_natural_log(provider, heads, sink_kind):
+    s_q, s_kv, width = 5, 40, 70
+    args = (
+        torch.randn(s_q, heads, 512, dtype=torch.bfloat16), torch.randn(s_kv, 1, 512, dtype=torch.bfloat16),
+        torch.randint(-2, s_kv + 5, (s_q, 1, width), dtype=torch.int32), 0.06, 512, sink(sink_kind, heads),
+        torch.randint(0, width + 1, (s_q,), dtype=torch.int32),
+    )
+    got = on_cuda("flash_mla_sparse_fwd", *args)
+    want = reference.flash_mla_sparse_fwd(*args)
+    assert len(got) == 3
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)  # natural log on both providers
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    for _, call in standin.CALLS:
+        assert call["q"].shape[1] in (64, 128) and call["indices"].shape[-1] % 128 == 0
+
+
+def test_checked_mode_rejects_bad_indices_before_the_kernel(provider):
+    args = decode_case(64)
+    args[3][1, 0, 0] = 256  # == capacity: a wild read on the GPU
+    with d4.checked():
+        with pytest.raises(ValueError, match="indices"):
+            on_cuda("flash_mla_with_kvcache", *args)
+    assert standin.CALLS == []
