@@ -80,15 +80,19 @@ class Checker:
         device: torch.device | None = None,
     ) -> torch.Tensor:
         """Check type, dtype, rank, sizes (``None`` = any) and device of one tensor argument."""
-        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        dims = ", ".join("*" if s is None else str(s) for s in shape)
-        expected = f"{names} [{dims}]"
-        if not isinstance(t, torch.Tensor):
-            self.fail(arg, f"a tensor {expected}", t, TypeError)
-        if t.dtype not in dtypes:
-            self.fail(arg, expected, t, TypeError)
-        if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
-            self.fail(arg, expected, t)
+        ok = (
+            isinstance(t, torch.Tensor)
+            and t.dtype in dtypes
+            and t.dim() == len(shape)
+            and all(s is None or s == n for s, n in zip(shape, t.shape))
+        )
+        if not ok:  # messages are built only on failure: this runs on every call
+            names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            dims = ", ".join("*" if s is None else str(s) for s in shape)
+            expected = f"{names} [{dims}]"
+            if not isinstance(t, torch.Tensor):
+                self.fail(arg, f"a tensor {expected}", t, TypeError)
+            self.fail(arg, expected, t, TypeError if t.dtype not in dtypes else ValueError)
         if device is not None and t.device != device:
             raise ValueError(
                 f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {t.device}"
@@ -106,6 +110,16 @@ class Checker:
 
     def cache(self, arg: str, cache, page_size: int, device: torch.device) -> None:
         """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * 584."""
+        if (
+            isinstance(cache, torch.Tensor)
+            and cache.dtype == torch.uint8
+            and cache.dim() == 2
+            and cache.shape[0] >= 1
+            and cache.shape[1] >= page_size * layout.TOKEN_BYTES
+            and cache.is_contiguous()
+            and cache.device == device
+        ):
+            return
         expected = f"the uint8 base cache tensor [num_pages, >= page_size*584={page_size * layout.TOKEN_BYTES}]"
         if not isinstance(cache, torch.Tensor):
             self.fail(arg, expected, cache, TypeError)

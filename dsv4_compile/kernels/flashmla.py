@@ -108,6 +108,9 @@ class FlashMLAKernels:
             qp, dummy, holes, topk_length, None, None, None,
             extra_kv, extra_holes, extra_topk_length if extra_indices is not None else None, 1.0,
         )
+        # column 7 is the scheduler record's padding, never written: zero it so that the metadata
+        # is a deterministic function of the inputs (opcheck, reproducible runs)
+        meta[:, 7:].zero_()
         return meta, splits
 
     def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
