@@ -3,15 +3,17 @@
 * :mod:`.reference` — plain PyTorch, every device, the executable spec.
 * :mod:`.flashmla` — CUDA decode / prefill / scheduler through FlashMLA (sgl_kernel or flash_mla).
 * :mod:`.xpu` — sgl-kernel-xpu (``sgl_kernel``) on Intel GPUs.
+* :mod:`.triton_store` — our Triton cache store (``fused_k_norm_rope_flashmla``) on CUDA and XPU.
 
 Registering a provider imports no device library: each provider loads lazily, at first use.
 """
 
 from .. import dispatch
-from . import flashmla, reference, xpu
+from . import flashmla, reference, triton_store, xpu
 
 flashmla.register()
 xpu.register()
+triton_store.register()
 
 dispatch.register_provider(
     dispatch.Provider(

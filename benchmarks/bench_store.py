@@ -1,0 +1,97 @@
+"""Bandwidth of the Triton cache store (``dsv4::fused_k_norm_rope_flashmla``) against a plain copy.
+
+For each token count T (page size 256, bf16 ``kv``) the store moves, per token, 1024 B of ``kv``,
+256 B of ``freqs`` row, 16 B of position and slot (reads) and 584 B of cache (writes). A
+device-to-device copy of half that many bytes moves the same traffic (read + write); its
+bandwidth is the ceiling. Times are medians of ``triton.testing.do_bench`` (L2 flushed between
+runs). Rows: the kernel launched directly for each launch geometry (``BLOCK_T`` tokens per program,
+``NUM_WARPS``; ``*`` marks the defaults of ``triton_store``), and the op called eagerly (adds the
+dispatcher, provider trampoline and checks: host time, visible at small T).
+
+Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+import dsv4_compile as d4
+from dsv4_compile import layout
+from dsv4_compile.kernels import triton_store
+
+PAGE_SIZE = 256
+BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
+GEOMETRIES = [(1, 4), (2, 4), (4, 4), (8, 4), (8, 8), (16, 8)]  # (BLOCK_T, NUM_WARPS)
+
+
+def inputs(num_tokens: int, scattered: bool):
+    num_pages = -(-2 * num_tokens // PAGE_SIZE)
+    cap = num_pages * PAGE_SIZE
+    order = torch.randperm(cap, device="cuda") if scattered else torch.arange(cap, device="cuda")
+    slots = order[:num_tokens]
+    return (
+        torch.randn(num_tokens, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+        torch.rand(layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16) + 0.5,
+        torch.randn(65536, layout.ROPE_DIM, device="cuda"),
+        torch.randint(0, 65536, (num_tokens,), device="cuda"),
+        slots,
+        d4.alloc_cache(num_pages, PAGE_SIZE, "cuda"),
+        1e-6,
+        PAGE_SIZE,
+    )
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def kernel_ms(args, block_t: int, num_warps: int) -> float:
+    saved = triton_store.BLOCK_T, triton_store.NUM_WARPS
+    triton_store.BLOCK_T, triton_store.NUM_WARPS = block_t, num_warps
+    try:
+        return median_ms(lambda: triton_store._launch(triton_store._store_kernel, *args))
+    finally:
+        triton_store.BLOCK_T, triton_store.NUM_WARPS = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 65536])
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_store.py needs a CUDA device")
+    triton_store.register()  # idempotent: the package may have registered it already
+    assert d4.providers("cuda")[triton_store.OP] == triton_store.NAME  # and jits the kernel
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"P={PAGE_SIZE}, {BYTES_PER_TOKEN} B of traffic per token")
+    header = f"{'T':>6} {'slots':>10} {'what':>16} {'us':>9} {'GB/s':>8} {'of copy':>8}"
+    print(header)
+    print("-" * len(header))
+    for num_tokens in opts.tokens:
+        traffic = num_tokens * BYTES_PER_TOKEN
+        src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = median_ms(lambda: dst.copy_(src))
+        copy_gbs = traffic / copy_ms / 1e6
+        print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
+        for scattered in (False, True):
+            args = inputs(num_tokens, scattered)
+            default = (triton_store.BLOCK_T, triton_store.NUM_WARPS)
+            rows = [
+                (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
+                for bt, nw in GEOMETRIES
+            ]
+            op = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
+            rows.append(("op (eager)", median_ms(lambda: op(*args))))
+            for what, ms in rows:
+                gbs = traffic / ms / 1e6
+                print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} {what:>16} "
+                      f"{ms * 1e3:>9.2f} {gbs:>8.0f} {gbs / copy_gbs:>8.0%}")
+        print()
+
+
+if __name__ == "__main__":
+    main()

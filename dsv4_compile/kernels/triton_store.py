@@ -1,0 +1,302 @@
+"""Triton kernel for ``dsv4::fused_k_norm_rope_flashmla`` on CUDA and XPU (provider ``"triton"``).
+
+One program stores ``BLOCK_T`` tokens. Per token, in fp32 (DESIGN.md §2.1, layout §2.2)::
+
+    y     = x * rsqrt(mean(x^2) + eps) * w                              all 512 dims
+    rope  = (a*c - b*s, a*s + b*c) on pairs (y[448+2i], y[449+2i])      bf16, RNE
+    e     = ceil(log2(fp32(max(1e-4, amax(|tile|)) / 448)))             7 tiles of 64, exact
+    value = e4m3fn(clamp(y * 2^-e, -448, 448))                          RNE, saturating
+
+written as bytes: the 576-byte data record at ``page*S + off*576``, the 8-byte scale record
+(``e + 127`` x 7, then a 0 pad byte) at ``page*S + P*576 + off*8``; negative slots write nothing.
+
+Rounding is done in integer arithmetic on the fp32 bit patterns (no fp8 dtype, no
+architecture-specific instruction), so the kernel runs on any GPU Triton targets and produces the
+reference's bytes given the same ``y``; ``y`` itself may differ from the reference's in the last
+fp32 bit (reduction order, ``rsqrt``), which can move a rounding tie.
+
+Importing this module imports no Triton: the kernel functions below are plain Python until the
+provider first loads (:func:`_triton`), which imports Triton and jits them in place; so
+``TRITON_INTERPRET`` is read then.
+
+Under ``torch.compile`` the op is decomposed into the Triton launch (a FunctionalTensorMode rule,
+the mechanism of ``torch.library.triton_op``), so Inductor launches the kernel from its generated
+code, provided the ``triton`` provider serves the device *when the graph is compiled*: the
+provider is then bound into the compiled graph (see :func:`inlines`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+from .. import checks, dispatch, layout
+
+OP = "fused_k_norm_rope_flashmla"
+NAME = "triton"
+DEVICE_TYPES = ("cuda", "xpu")
+PRIORITY = 0  # above the reference; below library providers of the store (sgl-kernel-xpu: 100)
+#: Triton backends that serve each device type.
+_BACKENDS = {"cuda": ("nvidia", "amd"), "xpu": ("intel",)}
+#: Launch geometry: tokens per program (a power of two) and warps per program.
+BLOCK_T = 4
+NUM_WARPS = 4
+#: ``DSV4_COMPILE_TRITON_INLINE=0`` keeps the op opaque under ``torch.compile`` (read at compile time).
+INLINE_ENV = "DSV4_COMPILE_TRITON_INLINE"
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton code: plain functions and ints until _triton() jits them and makes them constexprs.
+# --------------------------------------------------------------------------------------------
+
+triton = tl = None  # bound by _triton()
+_HEAD_DIM, _NOPE_DIM, _ROPE_DIM, _TILE = layout.HEAD_DIM, layout.NOPE_DIM, layout.ROPE_DIM, layout.TILE
+_NUM_TILES, _DATA_BYTES, _SCALE_BYTES = layout.NUM_TILES, layout.DATA_BYTES, layout.SCALE_BYTES
+_FP8_MAX, _SCALE_MIN, _BIAS = layout.FP8_MAX, layout.SCALE_MIN, layout.UE8M0_BIAS
+_CONSTEXPRS = (
+    "_HEAD_DIM", "_NOPE_DIM", "_ROPE_DIM", "_TILE", "_NUM_TILES", "_DATA_BYTES", "_SCALE_BYTES",
+    "_FP8_MAX", "_SCALE_MIN", "_BIAS",
+)
+
+
+def _e4m3fn_bits(v):
+    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v`` in [-448, 448], round to nearest even."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal (|v| >= 2^-6): round the 23-bit mantissa to 3 bits at bit 20, rebias 127 -> 7
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal (|v| < 2^-6, steps of 2^-9): the fp32 add rounds |v| to a multiple of 2^-9,
+    # the ulp of 2^14, so the low mantissa bits of the sum are the 3-bit code
+    subnormal = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    return sign | tl.where(mag < 0x3C800000, subnormal, normal)  # 0x3C800000 = 2^-6
+
+def _bf16_bits(v):
+    """bfloat16 bits (int32 in 0..65535) of fp32 ``v``, round to nearest even, NaN kept quiet."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(v != v, 0x7FC0, rounded)
+
+def _ue8m0_exponent(amax):
+    """Smallest int ``e`` with ``2^e >= fp32(max(1e-4, amax) / 448)``, from the quotient's bits."""
+    scale = tl.div_rn(tl.maximum(amax, _SCALE_MIN), _FP8_MAX)  # IEEE-rounded like the reference
+    bits = scale.to(tl.int32, bitcast=True)  # scale > 0: exponent field | mantissa
+    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+def _store_kernel(
+    kv_ptr, weight_ptr, freqs_ptr, positions_ptr, out_loc_ptr, cache_ptr,
+    num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
+    positions_stride, out_loc_stride, page_stride, eps,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
+    slot = tl.load(out_loc_ptr + t * out_loc_stride, mask=t < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0  # negative slots (and rows past the end) write nothing
+    pos = tl.load(positions_ptr + t * positions_stride, mask=live, other=0).to(tl.int64)
+    page_ptr = cache_ptr + (slot // PAGE_SIZE) * page_stride
+    off = slot % PAGE_SIZE
+    data_ptr = page_ptr + off * _DATA_BYTES  # [BT] 576-byte data records
+    scale_ptr = page_ptr + PAGE_SIZE * _DATA_BYTES + off * _SCALE_BYTES  # [BT] 8-byte scale records
+    row_ptr = kv_ptr + t.to(tl.int64) * kv_stride
+
+    # y = x * rsqrt(mean(x^2) + eps) * w over all 512 dims
+    d = tl.arange(0, _HEAD_DIM)
+    x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + d * weight_stride).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / _HEAD_DIM) + eps)
+    y = x * rstd[:, None] * w[None, :]
+
+    # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
+    tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
+    e = _ue8m0_exponent(tl.max(tl.abs(tiles), axis=2))  # [BT, 8]
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
+    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX))
+    nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
+    tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
+    k = tl.arange(0, _NUM_TILES + 1)
+    exponent_bytes = tl.where(k[None, :] < _NUM_TILES, e + _BIAS, 0)
+    tl.store(scale_ptr[:, None] + k[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
+
+    # interleaved RoPE on dims 448..511 with freqs[pos] = (c0, s0, c1, s1, ...)
+    r = tl.arange(0, _ROPE_DIM)
+    xr = tl.load(row_ptr[:, None] + _NOPE_DIM + r[None, :], mask=live[:, None], other=0.0)
+    wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
+    yr = xr.to(tl.float32) * rstd[:, None] * wr[None, :]
+    cs = tl.load(
+        freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1,
+        mask=live[:, None], other=0.0,
+    )
+    a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
+    c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
+    rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
+    code = _bf16_bits(rope)
+    rope_bytes = tl.reshape(tl.join(code & 0xFF, code >> 8), (BLOCK_T, 2 * _ROPE_DIM))  # little-endian
+    rb = tl.arange(0, 2 * _ROPE_DIM)
+    tl.store(data_ptr[:, None] + _NOPE_DIM + rb[None, :], rope_bytes.to(tl.uint8), mask=live[:, None])
+
+
+_JITTED = ("_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_store_kernel")
+_JIT_LOCK = threading.Lock()
+
+
+def _triton():
+    """Import Triton and jit the functions above in place, once; ProviderUnavailable without it."""
+    global triton, tl
+    if tl is not None:
+        return triton
+    with _JIT_LOCK:
+        if tl is None:
+            try:
+                import triton as triton_module
+                import triton.language as language
+            except ImportError as exc:
+                raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
+            scope = globals()
+            for name in _CONSTEXPRS:
+                scope[name] = language.constexpr(scope[name])
+            for name in _JITTED:
+                scope[name] = triton_module.jit(scope[name])
+            triton, tl = triton_module, language
+    return triton
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
+    return not isinstance(_store_kernel, triton.runtime.JITFunction)
+
+
+def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
+    """Launch ``kernel`` (the jitted kernel, or it wrapped by ``wrap_triton``) over all tokens."""
+    num_tokens = kv.shape[0]
+    if num_tokens == 0:
+        return
+    kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
+        kv, kv_weight, freqs, positions, out_loc, kvcache,
+        num_tokens, kv.stride(0), kv_weight.stride(0), freqs.stride(0), freqs.stride(1),
+        positions.stride(0), out_loc.stride(0), kvcache.stride(0), eps,
+        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
+    )
+
+
+def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
+    """The provider kernel (eager): checks, then one launch. Never syncs outside checked mode."""
+    _triton()
+    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=True)
+    device = kv.device
+    guard = (
+        contextlib.nullcontext() if device.type == "cpu"  # CPU tensors: TRITON_INTERPRET=1 only
+        else torch.get_device_module(device).device(device)
+    )
+    with guard:
+        _launch(_store_kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
+
+
+def _device_available(device: torch.device) -> bool:
+    return torch.get_device_module(device.type).is_available()
+
+
+def load(device: torch.device) -> dict:
+    """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why.
+
+    Under ``TRITON_INTERPRET=1`` it serves CPU tensors redispatched to the CUDA/XPU keys (tests).
+    """
+    if device.type not in DEVICE_TYPES:
+        raise dispatch.ProviderUnavailable(f"no Triton store for device type {device.type!r}")
+    found = _triton().backends.backends
+    if not _interpreting():
+        if not any(b in found for b in _BACKENDS[device.type]):
+            raise dispatch.ProviderUnavailable(
+                f"triton has no backend for {device.type} (wants one of {_BACKENDS[device.type]}, "
+                f"has {sorted(found)})"
+            )
+        if not _device_available(device):
+            raise dispatch.ProviderUnavailable(f"no {device.type} device is available")
+    return {OP: fused_k_norm_rope_flashmla}
+
+
+def register() -> None:
+    """Register the provider for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
+    for device_type in DEVICE_TYPES:
+        dispatch.register_provider(dispatch.Provider(
+            name=NAME, device_type=device_type, load=load, priority=PRIORITY, ops=(OP,), fallback=True,
+        ))
+
+
+# --------------------------------------------------------------------------------------------
+# Inductor visibility: decompose the op into the Triton launch under functionalization.
+# --------------------------------------------------------------------------------------------
+
+
+def inlines(device: torch.device) -> bool:
+    """Whether ``torch.compile`` traces the op on ``device`` into a visible Triton launch.
+
+    True when, at compile time, the ``triton`` provider serves the op on ``device`` (under the
+    current :func:`~dsv4_compile.use_provider` override), checked mode is off, the kernel is
+    compiled (not ``TRITON_INTERPRET``) and ``DSV4_COMPILE_TRITON_INLINE`` is not ``0``. The graph
+    then launches the kernel directly: a provider override or checked mode set *after* compiling
+    does not reach it (recompile, e.g. after ``torch._dynamo.reset()``). The compile caches' key
+    includes whether inlining was possible (:class:`_KernelsForCacheKey`), so a cached inlined graph
+    is not reused by a compile made under an override. Otherwise the op stays an opaque call that
+    resolves its provider when it runs.
+    """
+    if device.type not in DEVICE_TYPES or os.environ.get(INLINE_ENV, "1") == "0":
+        return False
+    if checks.checked_mode() or dispatch.resolve(OP, device)[0] != NAME:
+        return False
+    return not _interpreting()  # interpreted kernels cannot be traced
+
+
+def _export_keeps_triton_ops() -> bool:
+    """Whether ``torch.export`` asked to keep Triton-backed ops whole (as it does for triton_op)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
+def _functional_rule(mode, op, types, args, kwargs):
+    """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
+    foreign = [t for t in types if not issubclass(t, (FunctionalTensor, torch._subclasses.FakeTensor))
+               and t is not torch.Tensor]
+    if foreign or _export_keeps_triton_ops() or not inlines(args[0].device):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size = args
+    with mode:
+        checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=False)
+        _launch(torch.library.wrap_triton(_store_kernel), *args)
+    return None
+
+
+_lib = torch.library.Library("dsv4", "FRAGMENT")
+torch.library.register_torch_dispatch(f"dsv4::{OP}", FunctionalTensorMode, _functional_rule, lib=_lib)
+
+
+class _KernelsForCacheKey:
+    """AOTAutograd's cache keys a graph by the source of the Triton kernels its ops may inline
+    (``torch._library.triton.triton_ops_to_kernels``), so that editing the kernel invalidates cached
+    graphs; this entry yields ``_store_kernel`` when iterated, jitting it then, not at import."""
+
+    def __iter__(self):
+        # Yield nothing when no compile could inline the kernel now (another provider forced,
+        # checked mode, inlining switched off): the cache key then differs from an inlining
+        # compile's, so a cached inlined graph is not served to such a run.
+        forced = (dispatch.forced_providers() or {}).get(OP)
+        if (forced not in (None, NAME) or checks.checked_mode()
+                or os.environ.get(INLINE_ENV, "1") == "0"):
+            return iter(())
+        try:
+            _triton()
+        except dispatch.ProviderUnavailable:
+            return iter(())
+        return iter(() if _interpreting() else (_store_kernel,))
+
+
+_kernels_by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)  # torch-internal
+if isinstance(_kernels_by_op, dict):
+    _kernels_by_op[f"dsv4::{OP}"] = _KernelsForCacheKey()

@@ -1,0 +1,544 @@
+"""The Triton store kernel (``dsv4_compile/kernels/triton_store.py``) against the reference.
+
+Where it runs:
+
+* **CPU, under ``TRITON_INTERPRET=1``** (the ``device="cpu"`` cases and ``@interpreted`` tests).
+  Triton reads that variable when a kernel is *decorated*, i.e. when ``dsv4_compile`` is imported,
+  which conftest and the other test modules of this pytest process have done already (without
+  it). So :func:`test_interpreted_suite` re-runs this file in a child pytest with the variable set,
+  and those tests exist only there (or in a run that has ``TRITON_INTERPRET=1`` throughout).
+  Setting the variable from here would make the outcome depend on import order and change the
+  kernels other modules see.
+* **CUDA** (``cuda`` marker; conftest skips it without a GPU): the same tests on the GPU, plus
+  ``torch.compile``, opcheck and CUDA-graph checks.
+* The rest runs in the plain CPU process: provider loading, and what ``torch.compile`` traces.
+
+A store is compared with the reference run on a copy of the same cache: scale records, pad bytes
+and every byte the store must not touch exactly; data records by dequantized value (one fp8 step
+of tolerance, :data:`dsv4_compile.tolerances.STORE_FP8_STEP`), and the number of differing data
+bytes is bounded (a last-bit difference of ``y`` can move a rounding tie) and reported at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+import dsv4_compile as d4  # noqa: E402
+from dsv4_compile import dispatch, layout  # noqa: E402
+from dsv4_compile.kernels import reference, triton_store  # noqa: E402
+from dsv4_compile.tolerances import STORE_FP8_STEP  # noqa: E402
+from helpers import store_inputs  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled:UserWarning")
+STORE = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
+CUDA_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_interpreted_suite"
+)
+compiled_triton = pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) Triton")
+#: Devices a kernel test runs on: CPU through the interpreter (in the child only), CUDA for real.
+DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
+
+_diffs = {"calls": 0, "fp8": 0, "fp8_total": 0, "bf16": 0, "bf16_total": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _provider_and_report(request):
+    """Register the provider (idempotent) and jit the kernels; report differing bytes at the end."""
+    triton_store.register()
+    triton_store._triton()
+    yield
+    if _diffs["calls"]:
+        _report(
+            request.config,
+            f"triton store vs reference ({'interpreted' if INTERPRETED else 'compiled'}, "
+            f"{_diffs['calls']} stores): differing fp8 bytes {_diffs['fp8']}/{_diffs['fp8_total']}, "
+            f"differing bf16 bytes {_diffs['bf16']}/{_diffs['bf16_total']}",
+        )
+
+
+def _report(config, line: str) -> None:
+    """Write ``line`` to the terminal past output capture."""
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        reporter.write("\n")
+        reporter.write_line(line)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases and comparison
+# --------------------------------------------------------------------------------------------
+
+
+def make_case(
+    device, num_tokens, page_size, *, page_stride=None, dtype=torch.bfloat16,
+    pos_dtype=torch.int64, loc_dtype=torch.int64, row_stride=layout.HEAD_DIM, holes=2,
+):
+    """Store arguments: ``num_tokens`` random tokens to distinct slots (the first and last slot of
+    the cache among them) with ``holes`` negative slots, over a cache of random bytes."""
+    kv, weight, freqs, positions = store_inputs(num_tokens, dtype, pos_dtype, max_pos=512)
+    if row_stride > layout.HEAD_DIM:  # a slice of a wider projection, last dim contiguous
+        wide = torch.randn(num_tokens, row_stride).to(dtype)
+        wide[:, -layout.HEAD_DIM:] = kv
+        kv = wide[:, -layout.HEAD_DIM:]
+    num_pages = max(2, -(-2 * num_tokens // page_size))
+    cap = num_pages * page_size
+    slots = torch.randperm(cap - 2)[:num_tokens] + 1
+    slots[: min(2, num_tokens)] = torch.tensor([cap - 1, 0])[: min(2, num_tokens)]
+    slots[2 : 2 + holes] = -torch.arange(1, 1 + len(slots[2 : 2 + holes])) ** 2  # -1, -4, ...
+    stride = layout.page_bytes(page_size) if page_stride is None else page_stride
+    cache = torch.randint(0, 256, (num_pages, stride), dtype=torch.uint8)
+    args = (kv, weight, freqs, positions, slots.to(loc_dtype), cache, 1e-6, page_size)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def written_mask(cache, page_size, slots):
+    """Bool like ``cache``: the data and scale records of the non-negative ``slots``."""
+    mask = torch.zeros_like(cache, dtype=torch.bool)
+    page, off = layout.page_and_offset(slots[slots >= 0].long(), page_size)
+    data = off[:, None] * layout.DATA_BYTES + torch.arange(layout.DATA_BYTES, device=cache.device)
+    scale = page_size * layout.DATA_BYTES + off[:, None] * layout.SCALE_BYTES
+    scale = scale + torch.arange(layout.SCALE_BYTES, device=cache.device)
+    mask[page[:, None], data] = True
+    mask[page[:, None], scale] = True
+    return mask
+
+
+def run_both(args, store=None):
+    """Run the reference on a copy of the cache, then ``store`` (default: the Triton kernel) in
+    place; return the reference's cache."""
+    expected = args[5].clone()
+    reference.fused_k_norm_rope_flashmla(*args[:5], expected, *args[6:])
+    (store or triton_store.fused_k_norm_rope_flashmla)(*args)
+    return expected
+
+
+def assert_matches_reference(actual, expected, page_size, slots, max_differing=None):
+    """Untouched and scale bytes exact; values within one fp8 step; few differing data bytes."""
+    mask = written_mask(actual, page_size, slots)
+    assert torch.equal(actual[~mask], expected[~mask]), "bytes outside the written records changed"
+    live = slots[slots >= 0].long()
+    if live.numel() == 0:
+        return
+    page, off = layout.page_and_offset(live, page_size)
+    scale_cols = page_size * layout.DATA_BYTES + off[:, None] * layout.SCALE_BYTES
+    scale_cols = scale_cols + torch.arange(layout.SCALE_BYTES, device=actual.device)
+    assert torch.equal(actual[page[:, None], scale_cols], expected[page[:, None], scale_cols])
+    assert bool((actual[page, scale_cols[:, -1]] == 0).all()), "pad byte not 0"
+
+    scales = expected[page[:, None], scale_cols[:, :-1]]
+    atol = 2.0 ** (int(scales.max()) - layout.UE8M0_BIAS - 9)  # an fp8 subnormal step
+    torch.testing.assert_close(
+        layout.gather_dequant(actual, page_size, live, torch.float32),
+        layout.gather_dequant(expected, page_size, live, torch.float32),
+        rtol=STORE_FP8_STEP, atol=atol,
+    )
+    data_cols = off[:, None] * layout.DATA_BYTES + torch.arange(layout.DATA_BYTES, device=actual.device)
+    differ = actual[page[:, None], data_cols] != expected[page[:, None], data_cols]
+    fp8, bf16 = int(differ[:, : layout.NOPE_DIM].sum()), int(differ[:, layout.NOPE_DIM :].sum())
+    _diffs["calls"] += 1
+    _diffs["fp8"] += fp8
+    _diffs["bf16"] += bf16
+    _diffs["fp8_total"] += live.numel() * layout.NOPE_DIM
+    _diffs["bf16_total"] += live.numel() * 2 * layout.ROPE_DIM
+    if max_differing is None:  # rounding ties moved by a last-bit difference of y: rare
+        max_differing = 2 + live.numel() * layout.HEAD_DIM // 4096
+    assert fp8 + bf16 <= max_differing, f"{fp8} fp8 and {bf16} bf16 bytes differ from the reference"
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel against the reference (interpreted on CPU, compiled on CUDA)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 2, 61, 64, 256])
+@pytest.mark.parametrize("stride", ["canonical", "unpadded"])
+def test_page_geometry(device, page_size, stride):
+    page_stride = page_size * layout.TOKEN_BYTES if stride == "unpadded" else None
+    args = make_case(device, 12, page_size, page_stride=page_stride)
+    expected = run_both(args)
+    assert_matches_reference(args[5], expected, page_size, args[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kv_dtypes(device, dtype):
+    args = make_case(device, 12, 64, dtype=dtype)
+    expected = run_both(args)
+    assert_matches_reference(args[5], expected, 64, args[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_row_stride_larger_than_512(device):
+    args = make_case(device, 12, 2, row_stride=layout.HEAD_DIM + 136)
+    assert args[0].stride() == (layout.HEAD_DIM + 136, 1)
+    expected = run_both(args)
+    assert_matches_reference(args[5], expected, 2, args[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "pos_dtype, loc_dtype",
+    [(torch.int32, torch.int32), (torch.int32, torch.int64), (torch.int64, torch.int32)],
+)
+def test_index_dtypes(device, pos_dtype, loc_dtype):
+    args = make_case(device, 12, 64, pos_dtype=pos_dtype, loc_dtype=loc_dtype)
+    expected = run_both(args)
+    assert_matches_reference(args[5], expected, 64, args[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_slots_write_nothing(device):
+    args = list(make_case(device, 8, 4))
+    args[4] = -torch.arange(1, 9, device=device)  # -1 .. -8
+    before = args[5].clone()
+    triton_store.fused_k_norm_rope_flashmla(*args)
+    assert torch.equal(args[5], before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    args = make_case(device, 0, 64, holes=0)
+    before = args[5].clone()
+    triton_store.fused_k_norm_rope_flashmla(*args)
+    assert torch.equal(args[5], before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_tokens(device):
+    """More tokens than one program handles, with a partial last block."""
+    num_tokens = 8191 if device == "cuda" else 61
+    args = make_case(device, num_tokens, 256, holes=5)
+    expected = run_both(args)
+    assert_matches_reference(args[5], expected, 256, args[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_bytes_at_rounding_ties(device):
+    """x = +-1 (mean(x^2) = 1, eps = 0) makes y = +-w exactly, so every byte is determined: fp8
+    round-to-nearest-even ties and their neighbours, subnormals, exact power-of-two scales, the
+    1e-4 floor, bf16 ties (through RoPE with cos 1 sin 0, and cos 0 sin 1)."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # every finite non-negative e4m3fn value
+    grid = codes.view(torch.float8_e4m3fn).float()
+    mid = (grid[1:] + grid[:-1]) / 2  # 126 ties
+    w = torch.zeros(layout.NUM_TILES + 1, layout.TILE)
+    w[0, 0], w[0, 1:] = 448.0, mid[:63]
+    w[1, 0], w[1, 1:] = -448.0, -mid[63:]
+    w[2, 0] = 448.0  # and neighbours of ties, below and above
+    w[2, 1:32] = mid[::4].nextafter(torch.tensor(0.0))[:31]
+    w[2, 32:] = mid[1::4].nextafter(torch.tensor(448.0))
+    w[3] = torch.cat([torch.tensor([56.0]), mid[:63] / 8])  # scale exactly 2^-3
+    w[4] = torch.randn(64).clamp(-4, 4) * 100
+    w[4, 0] = torch.tensor(448.0).nextafter(torch.tensor(1e9))  # scale just above 1: e = 1
+    w[5] = 0.0  # amax 0: the 1e-4 floor
+    w[6] = torch.rand(64) * 3e-5  # below the floor
+    ties = 1 + torch.arange(1, 64, 2) * 2.0**-8  # halfway between bf16 neighbours of [1, 2)
+    w[7, 0::2], w[7, 1::2] = ties, -ties.nextafter(torch.tensor(0.0))
+    w = w.view(-1)
+    signs = torch.ones(4, layout.HEAD_DIM)
+    signs[1], signs[2, 1::2] = -1.0, -1.0
+    signs[3] = torch.where(torch.rand(layout.HEAD_DIM) < 0.5, -1.0, 1.0)
+    freqs = torch.zeros(2, layout.ROPE_DIM)
+    freqs[0, 0::2] = 1.0  # cos 1, sin 0: (a, b) -> (a, b)
+    freqs[1, 1::2] = 1.0  # cos 0, sin 1: (a, b) -> (-b, a)
+    cache = torch.randint(0, 256, (3, layout.page_bytes(2)), dtype=torch.uint8)
+    args = (signs, w, freqs, torch.tensor([0, 1, 0, 1]), torch.tensor([5, 0, 3, 2]), cache, 0.0, 2)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    expected = run_both(args)
+    assert torch.equal(args[5], expected)
+
+
+@triton.jit
+def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n)
+    clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(fp8_ptr + i, triton_store._e4m3fn_bits(clamped), mask=i < n)
+    tl.store(bf16_ptr + i, triton_store._bf16_bits(v), mask=i < n)
+    tl.store(exponent_ptr + i, triton_store._ue8m0_exponent(tl.abs(v)), mask=i < n)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf inputs
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounding_helpers_are_exact(device):
+    """The kernel's integer rounding equals torch's casts and ``reference.ue8m0_exponent``, bit
+    for bit: every fp8 tie and its neighbours, bf16 ties, inf/NaN, exponents at powers of two."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mid = (grid[1:] + grid[:-1]) / 2
+    boundaries = 448.0 * 2.0 ** torch.arange(-30.0, 30.0)  # amax / 448 a power of two
+    near = torch.cat([mid, boundaries, torch.tensor([1e-4, 0.0, 2.0**-126, 3e38])])
+    ups, downs = near.nextafter(torch.tensor(float("inf"))), near.nextafter(torch.tensor(0.0))
+    bf16_ties = (torch.randint(0, 1 << 15, (512,), dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    special = torch.tensor([float("inf"), float("nan"), 3.4028235e38, -0.0])
+    spread = torch.randn(4096) * 10.0 ** torch.randint(-8, 8, (4096,)).float()
+    x = torch.cat([near, ups, downs, bf16_ties, special, spread])
+    x = torch.cat([x, -x]).to(device)
+    fp8, bf16, exponent = (torch.empty(x.shape, dtype=torch.int32, device=device) for _ in range(3))
+    _apply_helpers[(triton.cdiv(x.numel(), 1024),)](x, fp8, bf16, exponent, x.numel(), BLOCK=1024)
+    number = ~x.isnan()  # NaN is no cache value (the kernel writes 0x7FC0 for bf16)
+    want_fp8 = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).int()
+    assert torch.equal(fp8[number], want_fp8[number])
+    want_bf16 = x.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert torch.equal(bf16[number], want_bf16[number])
+    normal = number & (x.abs() < 3e38)  # amax / 448 a normal fp32 number
+    assert torch.equal(exponent[normal], reference.ue8m0_exponent(x.abs())[normal].int())
+
+
+# --------------------------------------------------------------------------------------------
+# Through the op: the provider trampoline
+# --------------------------------------------------------------------------------------------
+
+
+@interpreted
+def test_op_on_the_cuda_key_runs_the_triton_provider():
+    """Redispatched to the CUDA key, the op resolves the ``triton`` provider (here interpreted on
+    CPU tensors) and stores what the reference stores."""
+    assert dispatch.resolve(triton_store.OP, torch.device("cuda", 0))[0] == "triton"
+    args = make_case("cpu", 12, 61)
+    expected = run_both(args, lambda *a: STORE.redispatch(CUDA_KEY, *a))
+    assert_matches_reference(args[5], expected, 61, args[4])
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_op_on_cuda_uses_triton_and_matches_reference():
+    assert d4.providers("cuda")[triton_store.OP] == "triton"
+    args = make_case("cuda", 4096, 64, holes=7)
+    expected = run_both(args, STORE)
+    assert_matches_reference(args[5], expected, 64, args[4])
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_checked_mode_rejects_bad_slot_on_cuda():
+    args = list(make_case("cuda", 8, 64))
+    args[4][3] = layout.capacity(args[5], 64)
+    before = args[5].clone()
+    with d4.checked(), pytest.raises(ValueError, match="out_loc"):
+        STORE(*args)
+    assert torch.equal(args[5], before)
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_cuda_graph_replay_follows_new_inputs():
+    """The eager kernel is capture-safe: a captured store replays with the inputs' new values."""
+    args = make_case("cuda", 256, 64, holes=3)
+    kv, slots, cache = args[0], args[4], args[5]
+    STORE(*args)  # warm-up: compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        STORE(*args)
+    kv.copy_(torch.randn_like(kv))
+    slots.copy_(slots.flip(0))
+    expected = run_both(args, lambda *a: graph.replay())
+    torch.cuda.synchronize()
+    assert_matches_reference(cache, expected, 64, slots)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: the launch is traced into the graph where the triton provider serves
+# --------------------------------------------------------------------------------------------
+
+
+def _store_fn(kv, weight, freqs, positions, out_loc, kvcache, eps, page_size):
+    STORE(kv, weight, freqs, positions, out_loc, kvcache, eps, page_size)
+
+
+def _fake_cuda_case(mode):
+    with mode, torch.device("cuda"):
+        kv, weight = torch.empty(8, 512, dtype=torch.bfloat16), torch.empty(512, dtype=torch.bfloat16)
+        positions, out_loc = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+        cache = torch.empty(3, layout.page_bytes(64), dtype=torch.uint8)
+        return kv, weight, torch.empty(64, 64), positions, out_loc, cache, 1e-6, 64
+
+
+class _Traced(Exception):
+    pass
+
+
+def _aot_forward_graph(args):
+    """The forward graph AOTAutograd hands to the backend (traced, never run)."""
+    from torch._functorch.aot_autograd import aot_function
+
+    def capture(gm, _):
+        raise _Traced(gm)
+
+    with pytest.raises(_Traced) as traced:
+        aot_function(lambda *a: _store_fn(*a, *args[6:]), fw_compiler=capture)(*args[:6])
+    return traced.value.args[0]
+
+
+class _Sm90Target:
+    """Stands in for the CUDA driver where there is none: the target Triton compiles TTIR for."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@compiled_triton
+def test_functionalization_traces_the_triton_launch(monkeypatch, request):
+    """On CUDA tensors (fake ones here: no GPU needed) the op becomes Inductor's user-defined
+    Triton kernel node, which mutates only the cache; a forced reference provider or checked mode
+    keeps the opaque op."""
+    from torch._higher_order_ops.triton_kernel_wrap import (
+        kernel_side_table,
+        triton_kernel_wrapper_functional,
+    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Target())  # TTIR mutation analysis
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    dispatch.reset()  # forget a "no cuda device" resolution
+    request.addfinalizer(dispatch.reset)
+    args = _fake_cuda_case(FakeTensorMode())
+    assert triton_store.inlines(args[0].device)
+    graph = _aot_forward_graph(args).graph
+    (node,) = [n for n in graph.nodes if n.target is triton_kernel_wrapper_functional]
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])  # num_warps wraps it in a Config
+    assert getattr(kernel, "fn", kernel) is triton_store._store_kernel
+    assert node.kwargs["tensors_to_clone"] == ["cache_ptr"]
+    assert not any(n.target is STORE for n in graph.nodes)
+
+    for context in (d4.use_provider("reference"), d4.checked()):
+        with context:
+            assert not triton_store.inlines(args[0].device)
+            code = _aot_forward_graph(args).code
+        assert "dsv4.fused_k_norm_rope_flashmla" in code and "triton_kernel_wrapper" not in code
+
+
+@compiled_triton
+def test_cpu_ops_stay_opaque_under_compile():
+    """On CPU the rule steps aside: opcheck passes, and compile calls the op in place, no copy."""
+    from torch._inductor.utils import run_and_get_code
+
+    args = make_case("cpu", 6, 4)
+    torch.library.opcheck(STORE, args)
+    expected = args[5].clone()
+    _store_fn(*args[:5], expected, *args[6:])
+    torch._dynamo.reset()
+    compiled = torch.compile(_store_fn, fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, (code,) = run_and_get_code(compiled, *args)
+    assert torch.equal(args[5], expected)
+    assert "torch.ops.dsv4.fused_k_norm_rope_flashmla.default(" in code
+    assert "copy_" not in code and "clone" not in code
+
+
+def _compile_and_get_code(args):
+    """Compile ``_store_fn`` afresh (no cache: the provider binding is part of what is tested), run
+    it on ``args``; return the compile counter and the generated code without its comments."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_store_fn, fullgraph=True, backend=counter)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(compiled, *args)
+    return counter, "\n".join(line.split("#")[0] for code in codes for line in code.splitlines())
+
+
+def _assert_no_cache_copy(code, cache):
+    assert "copy_" not in code and "clone" not in code
+    assert not re.search(rf"empty_strided\w*\(\({cache.shape[0]}, {cache.shape[1]}\)", code)
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_compile_launches_the_triton_kernel_in_place():
+    args = make_case("cuda", 300, 64, holes=4)
+    expected = args[5].clone()
+    STORE(*args[:5], expected, *args[6:])
+    counter, code = _compile_and_get_code(args)
+    assert counter.frame_count == 1
+    assert "_store_kernel" in code and "torch.ops.dsv4.fused_k_norm_rope_flashmla" not in code
+    _assert_no_cache_copy(code, args[5])
+    assert torch.equal(args[5], expected)
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_compile_with_dynamic_token_count():
+    """One graph serves several token counts (symbolic grid and ``num_tokens``)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_store_fn, fullgraph=True, dynamic=True, backend=counter)
+    for num_tokens in (37, 300, 1025):  # partial last blocks of BLOCK_T tokens
+        args = make_case("cuda", num_tokens, 64, holes=3)
+        expected = args[5].clone()
+        STORE(*args[:5], expected, *args[6:])
+        compiled(*args)
+        assert torch.equal(args[5], expected)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_compile_under_reference_override_calls_the_op():
+    args = make_case("cuda", 64, 64)
+    with d4.use_provider("reference"):
+        expected = args[5].clone()
+        STORE(*args[:5], expected, *args[6:])
+        counter, code = _compile_and_get_code(args)
+    assert counter.frame_count == 1
+    assert "torch.ops.dsv4.fused_k_norm_rope_flashmla.default(" in code and "_store_kernel" not in code
+    _assert_no_cache_copy(code, args[5])
+    assert torch.equal(args[5], expected)
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_opcheck_on_cuda():
+    """Includes AOT dispatch, which traces the launch through the FunctionalTensorMode rule."""
+    torch.library.opcheck(STORE, make_case("cuda", 16, 64))
+
+
+# --------------------------------------------------------------------------------------------
+# Provider loading; the interpreter child
+# --------------------------------------------------------------------------------------------
+
+
+@compiled_triton
+def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
+    with pytest.raises(dispatch.ProviderUnavailable, match="device type 'cpu'"):
+        triton_store.load(torch.device("cpu"))
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: False)
+    with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
+        triton_store.load(torch.device("cuda", 0))
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    assert set(triton_store.load(torch.device("cuda", 0))) == {triton_store.OP}
+    assert all("triton" in dispatch.registered_providers(t) for t in ("cuda", "xpu"))
+
+
+def test_interpreted_suite(request):
+    """Run the ``interpreted`` tests in a child pytest with ``TRITON_INTERPRET=1``."""
+    if INTERPRETED:
+        pytest.skip("this process is interpreted already: the interpreted tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+         "-k", "not test_interpreted_suite", os.path.abspath(__file__)],
+        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    for line in child.stdout.splitlines():
+        if line.startswith("triton store vs reference") or " passed" in line or " failed" in line:
+            _report(request.config, f"TRITON_INTERPRET=1 child: {line}")
