@@ -99,6 +99,9 @@ def make_case(
     slots[2 : 2 + holes] = -torch.arange(1, 1 + len(slots[2 : 2 + holes])) ** 2  # -1, -4, ...
     stride = layout.page_bytes(page_size) if page_stride is None else page_stride
     cache = torch.randint(0, 256, (num_pages, stride), dtype=torch.uint8)
+    if row_stride > layout.HEAD_DIM:
+        wide = wide.to(device)  # moving the slice itself would make it contiguous
+        kv = wide[:, -layout.HEAD_DIM:]
     args = (kv, weight, freqs, positions, slots.to(loc_dtype), cache, 1e-6, page_size)
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 

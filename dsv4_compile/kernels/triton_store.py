@@ -107,7 +107,9 @@ def _store_kernel(
     d = tl.arange(0, _HEAD_DIM)
     x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + d * weight_stride).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / _HEAD_DIM) + eps)
+    # eps arrives as fp32 from an eager launch but as fp64 from Inductor's launcher: fix it to fp32
+    # (the reference adds eps to an fp32 tensor, rounding it to fp32 too)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / _HEAD_DIM) + tl.cast(eps, tl.float32))
     y = x * rstd[:, None] * w[None, :]
 
     # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
