@@ -192,13 +192,15 @@ def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int) -> t
 
 
 def _resolve(op: str, device: torch.device) -> tuple[Provider, Callable]:
-    if op not in OPS:
-        raise ValueError(f"unknown dsv4 op {op!r}; expected one of {OPS}")
-    forced = (_forced() or {}).get(op)
-    key = ("resolve", op, str(device), forced)
+    forced = _forced()
+    if forced is not None:
+        forced = forced.get(op)
+    key = (op, device, forced)  # the hot path: one dict lookup per call
     hit = _registry.cache.get(key)
     if hit is not None:
         return hit
+    if op not in OPS:
+        raise ValueError(f"unknown dsv4 op {op!r}; expected one of {OPS}")
     candidates = _candidates(device.type, op)
     if forced is not None:
         chosen = [p for p in candidates if p.name == forced]
@@ -265,7 +267,7 @@ def backend_kernel(op: str, device_type: str | None, defaults: tuple = ()) -> Ca
     def kernel(*args):
         if len(args) < len(defaults):
             args = args + defaults[len(args):]
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        device = args[0].device  # every op's first argument is a tensor
         if device_type is not None and device.type != device_type:
             device = torch.device(device_type, device.index if device.index is not None else 0)
         return resolve(op, device)[1](*args)
