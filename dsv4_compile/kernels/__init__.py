@@ -4,12 +4,14 @@
 * :mod:`.flashmla` — CUDA decode / prefill / scheduler through FlashMLA (sgl_kernel or flash_mla).
 * :mod:`.xpu` — sgl-kernel-xpu (``sgl_kernel``) on Intel GPUs.
 * :mod:`.triton_store` — our Triton cache store (``fused_k_norm_rope_flashmla``) on CUDA and XPU.
+* :mod:`.triton_attention` — portable Triton sparse decode and prefill (the ``triton`` provider
+  with the store): GPUs FlashMLA does not serve, XPU without sgl-kernel-xpu.
 
 Registering a provider imports no device library: each provider loads lazily, at first use.
 """
 
 from .. import dispatch
-from . import flashmla, reference, triton_store, xpu
+from . import flashmla, reference, triton_attention, triton_store, xpu  # noqa: F401 (compile rules)
 
 flashmla.register()
 xpu.register()

@@ -221,11 +221,21 @@ def load(device: torch.device) -> dict:
     return {OP: fused_k_norm_rope_flashmla}
 
 
+def _load_provider(device: torch.device) -> dict:
+    """The ``triton`` provider's kernels: this store and :mod:`.triton_attention`'s decode/prefill."""
+    from . import triton_attention
+
+    return {**load(device), **triton_attention.load(device)}
+
+
 def register() -> None:
     """Register the provider for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
+    from . import triton_attention
+
     for device_type in DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
-            name=NAME, device_type=device_type, load=load, priority=PRIORITY, ops=(OP,), fallback=True,
+            name=NAME, device_type=device_type, load=_load_provider, priority=PRIORITY,
+            ops=(OP, *triton_attention.OPS), fallback=True,
         ))
 
 

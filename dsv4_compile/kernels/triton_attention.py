@@ -1,0 +1,668 @@
+"""Portable Triton kernels for ``dsv4::flash_mla_with_kvcache`` and ``dsv4::flash_mla_sparse_fwd``.
+
+They run wherever Triton runs (NVIDIA Ampere .. Blackwell, AMD, Intel XPU): plain ``tl.dot`` in
+bf16 with fp32 accumulation, no fp8 dtype, no architecture-specific instruction. Semantics are the
+contract's (DESIGN.md §2.3, §2.4) for every head count, page size, page stride, index width and
+length; the kernels take the ops' arguments in schema order and return the fakes' geometry.
+
+**Decode** (over the paged V4 FP8 caches, layout §2.2). A program handles one query row
+(``b, s``), a block of ``BLOCK_H`` heads and one *split* of that row's keys. MQA: all heads attend
+the same keys, so a program gathers and dequantizes a block of ``BLOCK_N`` keys once and multiplies
+it with all its heads (``[BLOCK_H, 512] x [512, BLOCK_N]``, then ``P [BLOCK_H, BLOCK_N] x K``).
+The keys a row counts -- main entries ``j < min(topk_length, K)``, then extra entries
+``j < min(extra_topk_length, K2)``, ``-1`` holes masked -- form one virtual list walked by one loop
+(a key block may hold keys of both caches, each with its own page size and stride), cut into
+``num_splits`` equal chunks of whole key blocks. The lengths are read in-kernel, so the chunks
+balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
+one split per key block), so nothing is read on the host and launches are capture-safe.
+
+Keys are dequantized in registers, exactly (an fp8 value times a power of two is a bf16 value):
+
+    dims 0..447    e4m3fn byte c -> fp16 bits (c & 0x80) << 8 | (c & 0x7F) << 7 (= value * 2^-8,
+                   subnormals included), to fp32, times 2^(e - 127 + 8) built from the tile's
+                   UE8M0 byte e (data record at page*S + off*576, scales at page*S + P*576 + off*8);
+    dims 448..511  two bytes -> bf16 bits (read as bytes: any page stride, odd ones too);
+
+assembled from power-of-two column groups (256 + 128 + 64 fp8 dims, 64 bf16 dims) into one
+``[BLOCK_N, 512]`` tile with ``tl.join``. Softmax is online, fp32, base 2; the weights are rounded
+to bf16 for ``P.V`` (as FlashMLA does; tolerances.DEVICE). With one split the program writes
+``out``/``lse`` itself; with several, each writes its normalised partial output and base-2
+log-sum-exp to an fp32 workspace ``[rows, splits, H, 512]`` and a combine kernel merges them and
+applies the sink: ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i *
+sigmoid(lse - sink)``; an empty row gives ``out = 0``, ``lse = +inf``.
+
+**Prefill** (over a bf16 workspace ``kv [s_kv, 1, 512]``): one program per (query, head block),
+the same online-softmax loop over ``BLOCK_N`` gathered rows of ``kv`` (indices ``< 0`` or
+``>= s_kv`` are holes), no split (prefill has queries enough to fill the GPU).
+
+The page size is a *runtime* argument: one compiled kernel serves every page size (deployments use
+256 .. 2, FlashMLA's tests 61 and 69; a constexpr would compile a kernel per cache kind and per
+size), and slot -> (page, offset) costs one integer division per key, nothing next to the 584 bytes
+read per key; Triton still specialises it when it is 1 or a multiple of 16.
+
+Importing this module imports no Triton: the kernel functions are plain Python until the provider
+first loads (:func:`_triton`), as in :mod:`.triton_store`. Under ``torch.compile`` the ops are
+decomposed into their Triton launches (a FunctionalTensorMode rule, as :mod:`.triton_store` does
+for the store) when this module's kernel serves the op on the device at compile time
+(:func:`inlines`), so Inductor sees the launches and allocates their outputs itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+from .. import checks, dispatch, layout, ops
+from . import triton_store
+
+DECODE = "flash_mla_with_kvcache"
+PREFILL = "flash_mla_sparse_fwd"
+OPS = (DECODE, PREFILL)
+DEVICE_TYPES = triton_store.DEVICE_TYPES
+LOG2E = math.log2(math.e)
+#: Most splits of one row's keys in decode (bounds the workspace and the combine loop).
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch geometry: heads and keys per program step, warps, software-pipeline stages."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 32 keys per step; compiles for SM90
+#: without register spills (ptxas), 1 program of 8 warps per SM.
+DECODE_CONFIG = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
+#: Decode elsewhere (mma.sync GPUs: SM80/86/89/120; AMD, Intel): 32 heads per program, as 64
+#: spill ~0.9 KB per thread on SM80 (ptxas).
+DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
+#: Prefill everywhere: no spills on SM80 or SM90.
+PREFILL_CONFIG = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
+#: The combine kernel's tile: heads x output columns per program.
+COMBINE_BLOCK_H, COMBINE_BLOCK_D = 16, 128
+#: Fewest keys a decode split should hold: a split costs a ``[H, 512]`` fp32 partial output
+#: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
+#: 640 keys into 20 tiny splits would move more partial data than keys.
+MIN_SPLIT_KEYS = 128
+
+
+def decode_config(device: torch.device) -> Config:
+    """The decode launch geometry for ``device`` (``block_h`` is then capped by the head count)."""
+    if device.type == "cpu":  # the interpreter (tests)
+        return DECODE_CONFIG
+    nvidia = device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
+    if nvidia and torch.cuda.get_device_capability(device)[0] in (9, 10):
+        return DECODE_CONFIG
+    return DECODE_CONFIG_SMALL
+
+
+def _block_h(config: Config, heads: int) -> int:
+    """Heads per program: ``config.block_h`` capped by ``heads`` rounded up to a power of two, >= 16."""
+    heads = int(heads)  # a symbolic head count is specialised (guarded): it sizes the launch
+    return max(16, min(config.block_h, 1 << (max(heads, 1) - 1).bit_length()))
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton code: plain functions and numbers until _triton() jits them and makes them constexprs.
+# --------------------------------------------------------------------------------------------
+
+triton = tl = None  # bound by _triton()
+_NOPE, _ROPE, _D, _TILE = layout.NOPE_DIM, layout.ROPE_DIM, layout.HEAD_DIM, layout.TILE
+_DATA_BYTES, _SCALE_BYTES, _LN2, _LOG2E = layout.DATA_BYTES, layout.SCALE_BYTES, math.log(2.0), LOG2E
+_G0, _G1, _G2 = 256, 128, 64  # the key's column groups: [0, 256) [256, 384) [384, 448) fp8, then 64 bf16
+_CONSTEXPRS = ("_NOPE", "_ROPE", "_D", "_TILE", "_DATA_BYTES", "_SCALE_BYTES", "_LN2", "_LOG2E", "_G0", "_G1", "_G2")
+
+
+def _fp8_keys(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr):
+    """Dims ``OFF .. OFF+WIDTH`` (fp8 region) of the keys whose data / scale records start at the
+    byte pointers ``data`` / ``scales [BN]``: ``[BN, WIDTH]`` bf16, exact; 0 where not ``valid``."""
+    d = tl.arange(0, WIDTH)
+    code = tl.load(data[:, None] + (d + OFF)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    # fp16 with the e4m3 exponent/mantissa in place: value * 2^-8 exactly (subnormals too)
+    half = (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    t = tl.arange(0, WIDTH // _TILE)
+    e = tl.load(scales[:, None] + (t + OFF // _TILE)[None, :], mask=valid[:, None], other=0)
+    scale = ((e.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) * 2^8
+    value = tl.reshape(half.to(tl.float32), (data.shape[0], WIDTH // _TILE, _TILE)) * scale[:, :, None]
+    return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
+
+
+def _bf16_keys(data, valid):
+    """Dims 448..511 (the bf16 RoPE values) of the keys at ``data``: ``[BN, 64]`` bf16.
+    Read as bytes, so any page stride (odd ones too) is fine."""
+    b = tl.arange(0, 2 * _ROPE)
+    byte = tl.load(data[:, None] + (b + _NOPE)[None, :], mask=valid[:, None], other=0)
+    lo, hi = tl.split(tl.reshape(byte.to(tl.int32), (data.shape[0], _ROPE, 2)))
+    return (lo | (hi << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+def _records(cache_ptr, slot, page_size, page_stride):
+    """Byte pointers of the data and scale records of ``slot`` (valid slots) in a paged cache."""
+    page = slot // page_size
+    base = cache_ptr + page.to(tl.int64) * page_stride
+    offset = (slot - page * page_size).to(tl.int64)
+    return base + offset * _DATA_BYTES, base + page_size * _DATA_BYTES + offset * _SCALE_BYTES
+
+
+def _cat(a, b):
+    """``[n, w]`` and ``[n, w]`` side by side: ``[n, 2w]``."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+def _keys(data, scales, valid):
+    """The keys at ``data`` / ``scales``: ``[BN, 512]`` bf16, exact (0 where not ``valid``),
+    assembled from power-of-two column groups: 256 + 128 + 64 fp8 dims, then the 64 bf16 dims."""
+    k = _cat(_fp8_keys(data, scales, valid, _G0 + _G1, _G2), _bf16_keys(data, valid))
+    k = _cat(_fp8_keys(data, scales, valid, _G0, _G1), k)
+    return _cat(_fp8_keys(data, scales, valid, 0, _G0), k)
+
+
+def _online_softmax(s, valid, m, l, scale_log2):
+    """One step of the online softmax over scores ``s [BH, BN]`` (raw dot products): returns
+    the bf16 weights ``p``, the rescale ``alpha`` of what was accumulated, new ``m`` and ``l``
+    (base 2: ``m`` the running max of ``scale*log2(e)*s``, ``l = sum 2^(s2 - m)``)."""
+    s = tl.where(valid[None, :], s * scale_log2, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # no key yet: keep everything 0
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return p.to(tl.bfloat16), alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+def _attend(
+    acc, m, l, q, v0, v1, n, scale_log2,
+    cache_ptr, page_size, page_stride, idx_ptr, idx_stride,
+    x_cache_ptr, x_page_size, x_page_stride, x_idx_ptr, x_idx_stride,
+    HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Accumulate the keys at positions ``[v0, v1)`` of a row's virtual key list: main index
+    entries ``0 .. n-1``, then the extra index entries (one loop: a key block may hold both)."""
+    for j0 in range(v0, v1, BLOCK_N):
+        v = j0 + tl.arange(0, BLOCK_N)
+        main = v < n
+        slot = tl.load(idx_ptr + v * idx_stride, mask=main & (v < v1), other=-1)
+        if HAS_EXTRA:
+            x_slot = tl.load(x_idx_ptr + (v - n) * x_idx_stride, mask=(v >= n) & (v < v1), other=-1)
+            slot = tl.where(main, slot, x_slot)
+        valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
+        slot = tl.where(valid, slot, 0)
+        data, scales = _records(cache_ptr, slot, page_size, page_stride)
+        if HAS_EXTRA:
+            x_data, x_scales = _records(x_cache_ptr, slot, x_page_size, x_page_stride)
+            data = tl.where(main, data, x_data)
+            scales = tl.where(main, scales, x_scales)
+        k = _keys(data, scales, valid)
+        p, alpha, m, l = _online_softmax(tl.dot(q, tl.trans(k)), valid, m, l, scale_log2)
+        acc = tl.dot(p, k, acc * alpha[:, None])
+    return acc, m, l
+
+
+def _lse2_and_inverse(m, l):
+    """Base-2 ``lse = m + log2(l)`` (-inf where no key counted, ``l = 0``) and ``1 / l`` (0 there)."""
+    some = l > 0
+    safe = tl.where(some, l, 1.0)
+    return tl.where(some, m + tl.log2(safe), -float("inf")), tl.where(some, 1.0 / safe, 0.0)
+
+
+def _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK: tl.constexpr):
+    """From the base-2 log-sum-exp ``lse2 [BH]`` (-inf: no key): the factor ``out`` gets
+    (``1 / (1 + e^(sink - lse))``; 0 for an empty row) and the natural ``lse`` (+inf if empty)."""
+    empty = lse2 == -float("inf")
+    factor = tl.where(empty, 0.0, 1.0)
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h * sink_stride, mask=h_mask, other=0.0) * _LOG2E
+        factor = tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp2(sink2 - tl.where(empty, 0.0, lse2))))
+    return factor, tl.where(empty, float("inf"), lse2 * _LN2)
+
+
+def _store_partial(part_ptr, part_lse_ptr, at, d, h_mask, acc, lse2, inv_l):
+    """A split's normalised output ``acc / l`` and base-2 lse, at flat (row, split, head) ``at``."""
+    tl.store(part_lse_ptr + at, lse2, mask=h_mask)
+    tl.store(part_ptr + at[:, None] * _D + d[None, :], acc * inv_l[:, None], mask=h_mask[:, None])
+
+
+def _store_final(
+    out_ptr, lse_at, at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK: tl.constexpr, lse_mask,
+):
+    """``out = acc * inv_l * sigmoid(lse - sink)`` at flat (row, head) ``at``, columns ``d``; the
+    natural ``lse`` at the pointers ``lse_at`` where ``lse_mask``."""
+    factor, lse = _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK)
+    tl.store(lse_at, lse, mask=lse_mask)
+    out = acc * (inv_l * factor)[:, None]
+    tl.store(out_ptr + at[:, None] * _D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def _decode_kernel(
+    q_ptr, q_sb, q_ss, q_sh, q_sd,
+    cache_ptr, page_size, page_stride, idx_ptr, idx_sb, idx_ss, idx_sj, width, len_ptr, len_sb,
+    x_cache_ptr, x_page_size, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
+    x_len_ptr, x_len_sb,
+    sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
+    s_q, heads, num_splits, scale_log2,
+    HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
+    HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
+    base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
+    2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced."""
+    row = tl.program_id(0)
+    split = tl.program_id(2)
+    b = row // s_q
+    s = row - b * s_q
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
+    d = tl.arange(0, _D)
+    q = tl.load(q_row + d[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+
+    # the row's counted entries: [0, n) of the main indices, then [0, x_n) of the extra ones
+    n = width
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(len_ptr + b * len_sb), 0), width)
+    x_n = 0
+    if HAS_EXTRA:
+        x_n = x_width
+        if HAS_X_LEN:
+            x_n = tl.minimum(tl.maximum(tl.load(x_len_ptr + b * x_len_sb), 0), x_width)
+    chunk = tl.cdiv(tl.cdiv(n + x_n, num_splits), BLOCK_N) * BLOCK_N
+    v0 = split * chunk
+    v1 = tl.minimum(v0 + chunk, n + x_n)
+
+    acc = tl.zeros((BLOCK_H, _D), dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    idx_row = idx_ptr + b.to(tl.int64) * idx_sb + s.to(tl.int64) * idx_ss
+    x_idx_row = x_idx_ptr + b.to(tl.int64) * x_idx_sb + s.to(tl.int64) * x_idx_ss
+    acc, m, l = _attend(
+        acc, m, l, q, v0, v1, n, scale_log2,
+        cache_ptr, page_size, page_stride, idx_row, idx_sj,
+        x_cache_ptr, x_page_size, x_page_stride, x_idx_row, x_idx_sj, HAS_EXTRA, BLOCK_N,
+    )
+
+    lse2, inv_l = _lse2_and_inverse(m, l)
+    part_at = (row.to(tl.int64) * num_splits + split) * heads + h
+    out_at = row.to(tl.int64) * heads + h
+    lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
+    if PARTIAL == 2:
+        if num_splits > 1:
+            _store_partial(part_ptr, part_lse_ptr, part_at, d, h_mask, acc, lse2, inv_l)
+        else:
+            _store_final(out_ptr, lse_at, out_at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK,
+                         h_mask)
+    elif PARTIAL == 1:
+        _store_partial(part_ptr, part_lse_ptr, part_at, d, h_mask, acc, lse2, inv_l)
+    else:
+        _store_final(out_ptr, lse_at, out_at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK, h_mask)
+
+
+def _combine(
+    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+    s_q, heads, num_splits, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Columns ``BLOCK_D * program_id(2) ..`` of one row's head block, and its lse:
+    ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i * sigmoid(lse - sink)``."""
+    row = tl.program_id(0)
+    b = row // s_q
+    s = row - b * s_q
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    first = row.to(tl.int64) * num_splits * heads + h  # split 0's entry of each head
+    top = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    for i in range(num_splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")))
+    ref = tl.where(top == -float("inf"), 0.0, top)
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for i in range(num_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")) - ref)
+        o = tl.load(part_ptr + (first + i * heads)[:, None] * _D + d[None, :], mask=h_mask[:, None], other=0.0)
+        total += w
+        acc += w[:, None] * o
+    lse2, inv_total = _lse2_and_inverse(ref, total)
+    lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
+    _store_final(out_ptr, lse_at, row.to(tl.int64) * heads + h, d, h, h_mask, acc, lse2, inv_total,
+                 sink_ptr, sink_stride, HAS_SINK, h_mask & (tl.program_id(2) == 0))
+
+
+def _combine_kernel(
+    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+    s_q, heads, num_splits, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, head block, column block): merge the row's ``num_splits`` partial results
+    (nothing to do for one split: the decode kernel wrote the outputs)."""
+    if num_splits > 1:
+        _combine(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+                 s_q, heads, num_splits, HAS_SINK, BLOCK_H, BLOCK_D)
+
+
+def _prefill_kernel(
+    q_ptr, q_ss, q_sh, q_sd, kv_ptr, kv_s, kv_sd, s_kv, idx_ptr, idx_ss, idx_sj, width,
+    len_ptr, len_s, sink_ptr, sink_stride, out_ptr, max_logits_ptr, lse_ptr, heads, scale_log2,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (query, head block) over the query's counted indices into ``kv``."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    d = tl.arange(0, _D)
+    q = tl.load(q_ptr + s * q_ss + h[:, None] * q_sh + d[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    n = width
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(len_ptr + s * len_s), 0), width)
+    acc = tl.zeros((BLOCK_H, _D), dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j0 in range(0, n, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        t = tl.load(idx_ptr + s * idx_ss + j * idx_sj, mask=j < n, other=-1)
+        valid = (t >= 0) & (t < s_kv)
+        t = tl.where(valid, t, 0).to(tl.int64)
+        k = tl.load(kv_ptr + t[:, None] * kv_s + d[None, :] * kv_sd, mask=valid[:, None], other=0.0)
+        p, alpha, m, l = _online_softmax(tl.dot(q, tl.trans(k)), valid, m, l, scale_log2)
+        acc = tl.dot(p, k, acc * alpha[:, None])
+    lse2, inv_l = _lse2_and_inverse(m, l)
+    at = s * heads + h
+    tl.store(max_logits_ptr + at, m * _LN2, mask=h_mask)
+    _store_final(out_ptr, lse_ptr + at, at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK, h_mask)
+
+
+_JITTED = (
+    "_fp8_keys", "_bf16_keys", "_records", "_cat", "_keys", "_online_softmax", "_attend",
+    "_lse2_and_inverse", "_sink_and_lse", "_store_partial", "_store_final", "_decode_kernel", "_combine",
+    "_combine_kernel", "_prefill_kernel",
+)
+_JIT_LOCK = threading.Lock()
+
+
+def _triton():
+    """Import Triton and jit the functions above in place, once; ProviderUnavailable without it."""
+    global triton, tl
+    if tl is not None:
+        return triton
+    with _JIT_LOCK:
+        if tl is None:
+            try:
+                import triton as triton_module
+                import triton.language as language
+            except ImportError as exc:
+                raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
+            scope = globals()
+            for name in _CONSTEXPRS:
+                scope[name] = language.constexpr(scope[name])
+            for name in _JITTED:
+                scope[name] = triton_module.jit(scope[name])
+            triton, tl = triton_module, language
+    return triton
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
+    return not isinstance(_decode_kernel, triton.runtime.JITFunction)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers, shared by the eager kernels and the torch.compile decomposition
+# --------------------------------------------------------------------------------------------
+
+
+def _parallelism(device: torch.device) -> int:
+    """Programs that fill ``device`` once: its SM / Xe-core count (4 elsewhere: the interpreter,
+    or a fake CUDA device while tracing on a machine without one)."""
+    return _units(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _units(device_type: str, index: int | None) -> int:
+    module = getattr(torch, device_type, None)
+    if device_type in DEVICE_TYPES and module is not None and module.is_available():
+        props = module.get_device_properties(index if index is not None else module.current_device())
+        for name in ("multi_processor_count", "gpu_subslice_count"):
+            if getattr(props, name, 0):
+                return getattr(props, name)
+    return 4
+
+
+def decode_splits(device: torch.device, programs, keys: int, block_n: int):
+    """Splits of each row's keys: enough programs to fill the device once, with at least
+    :data:`MIN_SPLIT_KEYS` (and one key block) per split, at most :data:`MAX_SPLITS`. A function of
+    shapes only; guard-free for symbolic ``programs``."""
+    per_split = max(MIN_SPLIT_KEYS, block_n)
+    cap = max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
+    return torch.sym_max(1, torch.sym_min(cap, _parallelism(device) // torch.sym_max(programs, 1)))
+
+
+def decode_plan(device: torch.device, rows, heads: int, keys: int):
+    """``(config, heads per program, splits)`` of a decode launch over ``rows`` query rows of
+    ``heads`` heads and ``keys`` index columns (main + extra)."""
+    config = decode_config(device)
+    block_h = _block_h(config, heads)
+    return config, block_h, decode_splits(device, rows * -(-heads // block_h), keys, config.block_n)
+
+
+def _partial_mode(splits) -> int:
+    """The decode kernel's ``PARTIAL``: 0 for one split, 1 for several, 2 for a symbolic count
+    (traced with dynamic shapes), which the kernels then read at run time: no guard, no recompile."""
+    if isinstance(splits, int):
+        return 1 if splits > 1 else 0
+    return 2
+
+
+def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
+            extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v):
+    """Allocate the outputs (and a workspace if split) and launch; ``kernels`` maps a jitted
+    kernel to what is launched (itself, or its ``wrap_triton`` wrapper)."""
+    batch, s_q, heads = q.shape[:3]
+    out, lse = ops.decode_outputs(q, head_dim_v)
+    rows = batch * s_q
+    has_extra = extra_k_cache is not None
+    keys = indices.shape[-1] + (extra_indices.shape[-1] if has_extra else 0)
+    config, block_h, splits = decode_plan(q.device, rows, heads, keys)
+    head_blocks = -(-heads // block_h)
+    partial = _partial_mode(splits)
+    split = partial > 0
+    if has_extra:
+        x = (extra_k_cache, extra_page_size, extra_k_cache.stride(0), extra_indices, *extra_indices.stride(),
+             extra_indices.shape[-1])
+    else:  # never read: the main cache's arguments stand in
+        x = (k_cache, page_size, k_cache.stride(0), indices, *indices.stride(), 0)
+    x_len = extra_topk_length if has_extra and extra_topk_length is not None else indices
+    length = topk_length if topk_length is not None else indices
+    sink = attn_sink if attn_sink is not None else q
+    if split:
+        part = q.new_empty(rows, splits, heads, layout.HEAD_DIM, dtype=torch.float32)
+        part_lse = q.new_empty(rows, splits, heads, dtype=torch.float32)
+    else:  # never written (PARTIAL=0): q stands in
+        part = part_lse = q
+    kernels(_decode_kernel)[(rows, head_blocks, splits)](
+        q, *q.stride(),
+        k_cache, page_size, k_cache.stride(0), indices, *indices.stride(), indices.shape[-1],
+        length, length.stride(0),
+        *x, x_len, x_len.stride(0),
+        sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
+        s_q, heads, splits, softmax_scale * LOG2E,
+        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
+        HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
+        PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        kernels(_combine_kernel)[(rows, -(-heads // COMBINE_BLOCK_H), layout.HEAD_DIM // COMBINE_BLOCK_D)](
+            part, part_lse, sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1),
+            s_q, heads, splits, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
+            num_warps=4,
+        )
+    return out, lse
+
+
+def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    s_q, heads = q.shape[:2]
+    out, max_logits, lse = ops.prefill_outputs(q, d_v)
+    config = PREFILL_CONFIG
+    block_h = _block_h(config, heads)
+    length = topk_length if topk_length is not None else indices
+    sink = attn_sink if attn_sink is not None else q
+    kernels(_prefill_kernel)[(s_q, -(-heads // block_h))](
+        q, *q.stride(), kv, kv.stride(0), kv.stride(2), kv.shape[0],
+        indices, indices.stride(0), indices.stride(2), indices.shape[-1], length, length.stride(0),
+        sink, sink.stride(0), out, max_logits, lse, heads, sm_scale * LOG2E,
+        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, max_logits, lse
+
+
+def _device_guard(device: torch.device):
+    if device.type == "cpu":  # CPU tensors: TRITON_INTERPRET=1 only
+        return contextlib.nullcontext()
+    return torch.get_device_module(device).device(device)
+
+
+def _eager(kernel):
+    return kernel
+
+
+# --------------------------------------------------------------------------------------------
+# The provider kernels (eager) and the loader
+# --------------------------------------------------------------------------------------------
+
+
+def flash_mla_with_kvcache(
+    q, k_cache, page_size, indices, topk_length, attn_sink,
+    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+):
+    """``dsv4::flash_mla_with_kvcache`` (DESIGN §2.3); scheduler metadata is ignored. No host sync
+    outside checked mode: capture-safe."""
+    _triton()
+    checks.check_decode(
+        q, k_cache, page_size, indices, topk_length, attn_sink,
+        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
+    )
+    with _device_guard(q.device):
+        return _decode(_eager, q, k_cache, page_size, indices, topk_length, attn_sink,
+                       extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+                       softmax_scale, head_dim_v)
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    """``dsv4::flash_mla_sparse_fwd`` (DESIGN §2.4): ``(out, max_logits, lse)``, natural log. No
+    host sync outside checked mode: capture-safe."""
+    _triton()
+    checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
+    with _device_guard(q.device):
+        return _prefill(_eager, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+
+
+KERNELS = {DECODE: flash_mla_with_kvcache, PREFILL: flash_mla_sparse_fwd}
+
+
+def load(device: torch.device) -> dict:
+    """Provider loader: ``{op: kernel}`` for decode and prefill, or
+    :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
+    backend for the device type, no such device)."""
+    if device.type not in DEVICE_TYPES:
+        raise dispatch.ProviderUnavailable(f"no Triton attention for device type {device.type!r}")
+    found = _triton().backends.backends
+    if not _interpreting():
+        wanted = triton_store._BACKENDS[device.type]
+        if not any(b in found for b in wanted):
+            raise dispatch.ProviderUnavailable(
+                f"triton has no backend for {device.type} (wants one of {wanted}, has {sorted(found)})"
+            )
+        if not triton_store._device_available(device):
+            raise dispatch.ProviderUnavailable(f"no {device.type} device is available")
+    return dict(KERNELS)
+
+
+# --------------------------------------------------------------------------------------------
+# Inductor visibility: decompose the ops into their Triton launches under functionalization.
+# --------------------------------------------------------------------------------------------
+
+
+def inlines(op: str, device: torch.device) -> bool:
+    """Whether ``torch.compile`` traces ``op`` on ``device`` into visible Triton launches.
+
+    True when, at compile time, the provider that serves ``op`` on ``device`` (under the current
+    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, checked mode is off,
+    Triton is compiled (not interpreted) and ``DSV4_COMPILE_TRITON_INLINE`` is not ``0``. The graph
+    then launches the kernels itself: an override set *after* compiling does not reach it.
+    Otherwise the op stays one opaque node that resolves its provider when it runs.
+    """
+    if device.type not in DEVICE_TYPES or os.environ.get(triton_store.INLINE_ENV, "1") == "0":
+        return False
+    if checks.checked_mode():
+        return False
+    try:
+        if dispatch.resolve(op, device)[1] is not KERNELS[op]:
+            return False
+    except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
+        return False
+    return not _interpreting()  # interpreted kernels cannot be traced
+
+
+def _functional_rule(op: str, launch, check):
+    defaults = ops._schema_defaults(op)
+
+    def rule(mode, op_overload, types, args, kwargs):
+        foreign = [t for t in types if not issubclass(t, (FunctionalTensor, torch._subclasses.FakeTensor))
+                   and t is not torch.Tensor]
+        if foreign or triton_store._export_keeps_triton_ops() or not inlines(op, args[0].device):
+            return mode.__torch_dispatch__(op_overload, types, args, kwargs)
+        args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
+        with mode:
+            check(*args, data=False)
+            return launch(torch.library.wrap_triton, *args)
+
+    return rule
+
+
+def _decode_traced(kernels, *args):
+    return _decode(kernels, *args[:10], *args[12:])  # the scheduler metadata is not used
+
+
+_lib = torch.library.Library("dsv4", "FRAGMENT")
+for _op, _launch, _check in ((DECODE, _decode_traced, checks.check_decode),
+                             (PREFILL, _prefill, checks.check_prefill)):
+    torch.library.register_torch_dispatch(
+        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _launch, _check), lib=_lib
+    )
+
+
+class _KernelsForCacheKey:
+    """AOTAutograd's cache keys a graph by the source of the Triton kernels its ops may inline
+    (``torch._library.triton.triton_ops_to_kernels``): this entry yields the op's kernels when a
+    compile now would inline them on the current device of a device type present (:func:`inlines`,
+    so the provider override and checked mode are part of the key), and nothing otherwise; so an
+    inlined graph is never served from the cache to a compile that would not inline, and editing a
+    kernel invalidates cached graphs. Jits the kernels when first iterated, not at import."""
+
+    def __init__(self, op: str, names: tuple[str, ...]):
+        self.op, self.names = op, names
+
+    def __iter__(self):
+        for device_type in DEVICE_TYPES:
+            module = getattr(torch, device_type, None)
+            if module is None or not module.is_available():
+                continue
+            if inlines(self.op, torch.device(device_type, module.current_device())):
+                return iter([globals()[name] for name in self.names])
+        return iter(())
+
+
+_kernels_by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)  # torch-internal
+if isinstance(_kernels_by_op, dict):
+    _kernels_by_op[f"dsv4::{DECODE}"] = _KernelsForCacheKey(DECODE, ("_decode_kernel", "_combine_kernel"))
+    _kernels_by_op[f"dsv4::{PREFILL}"] = _KernelsForCacheKey(PREFILL, ("_prefill_kernel",))

@@ -1,0 +1,673 @@
+"""The Triton decode / prefill kernels (``dsv4_compile/kernels/triton_attention.py``) against the
+reference.
+
+Where it runs (as ``test_triton_store.py`` does):
+
+* **CPU, under ``TRITON_INTERPRET=1``** (``device="cpu"`` cases, ``@interpreted`` tests), in a child
+  pytest started by :func:`test_interpreted_suite`: Triton reads the variable when it jits the
+  kernels, which this process does compiled. Two shims, applied in the child only, work around
+  Triton 3.6 interpreter limits the kernels hit, nothing else: a scalar loop bound is a 1-element
+  array that NumPy >= 2.4 refuses to ``int()`` (triton-lang/triton#9171), and ``tl.dot`` on
+  bfloat16 operands multiplies their bit patterns (the interpreter has no bf16 arithmetic,
+  triton-lang/triton#11584); the shim converts them to float32 first, exactly.
+* **CUDA** (``cuda`` marker): the same cases with compiled Triton, DSV4 shapes (max errors appended
+  as JSON lines to ``$DSV4_RESULTS``), CUDA-graph replay, ``torch.compile``.
+* The rest in the plain CPU process: provider loading, split choice, what ``torch.compile`` traces.
+
+The kernels are reached through a temporary provider (:data:`PROVIDER`, forced per test) or called
+directly; tolerances are ``tolerances.DEVICE``, ``out`` scaled by the largest key magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _patch_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter bugs (see the module docstring)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    patch_tensor = it._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    dot = it.InterpreterBuilder.create_dot
+
+    def as_float32(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return it.TensorHandle(it._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+    it._patch_lang_tensor = patched_tensor
+    it.InterpreterBuilder.create_dot = lambda self, a, b, *rest: dot(self, as_float32(a), as_float32(b), *rest)
+
+
+if INTERPRETED:
+    _patch_interpreter()
+
+import dsv4_compile as d4  # noqa: E402
+from dsv4_compile import dispatch, layout, ops  # noqa: E402
+from dsv4_compile.kernels import reference, triton_attention as ta, triton_store  # noqa: E402
+from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
+from helpers import store_inputs  # noqa: E402
+
+DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
+PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
+PROVIDER = "triton_attention_test"
+SCALE = layout.HEAD_DIM**-0.5
+
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_interpreted_suite"
+)
+compiled_triton = pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) Triton")
+DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _provider():
+    """A temporary provider serving the two ops with this module's kernels (forced per test)."""
+    ta._triton()  # jit the kernels (interpreted in the child)
+    loaders = {"cuda": ta.load}
+    if INTERPRETED:  # interpreted kernels run CPU tensors
+        loaders["cpu"] = lambda device: dict(ta.KERNELS)
+    for device_type, load in loaders.items():  # below the reference: serves only when forced
+        dispatch.register_provider(dispatch.Provider(PROVIDER, device_type, load, priority=-2000, ops=ta.OPS))
+    yield
+    for device_type in loaders:
+        dispatch.unregister_provider(PROVIDER, device_type)
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """``splits(n)``: make decode cut each row's keys into (up to) ``n`` splits."""
+
+    def force(n):
+        monkeypatch.setattr(ta, "_parallelism", lambda device: n * 1_000_000)
+        monkeypatch.setattr(ta, "MAX_SPLITS", n)
+        monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 1)
+
+    return force
+
+
+def record(**row):
+    path = os.environ.get("DSV4_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def compare(name, got, want, vmax=1.0, **case):
+    """Equal non-finite pattern and values; finite values within tolerances.DEVICE."""
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
+    assert torch.equal(got[~finite], want[~finite]), f"{name}: non-finite values differ"
+    err = (got.float() - want.float())[finite].abs().max().item() if finite.any() else 0.0
+    if case:
+        record(op=name, err=err, vmax=vmax, **case)
+    tol = TOL[name]
+    scale = vmax if name == "out" else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=tol.atol * scale, rtol=tol.rtol)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------
+
+
+def filled(device, num_pages, page_size, page_stride=None):
+    """A cache whose every slot holds a stored random token (reference store)."""
+    cache = layout.alloc_cache(num_pages, page_size, device, page_stride=page_stride)
+    n = num_pages * page_size
+    kv, w, freqs, pos = (t.to(device) for t in store_inputs(n, max_pos=256))
+    reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.arange(n, device=device), cache, 1e-6, page_size)
+    return cache
+
+
+def holed_indices(shape, cap, device, holes=0.2):
+    idx = torch.randint(0, cap, shape, dtype=torch.int32)
+    return torch.where(torch.rand(shape) < holes, -1, idx).to(device)
+
+
+def sink_of(kind, heads, device):
+    return None if kind == "none" else {
+        "random": torch.randn(heads) * 2,
+        "+inf": torch.full((heads,), math.inf),
+        "-inf": torch.full((heads,), -math.inf),
+    }[kind].to(device)
+
+
+def decode_case(device, *, heads=64, s_q=1, batch=3, page_size=64, width=40, extra_page_size=None,
+                extra_width=24, lengths=True, sink="random", page_stride=None):
+    """Decode arguments over small caches; row 0 is empty (every index a hole, extra length 0)."""
+    cache = filled(device, max(2, 96 // page_size), page_size, page_stride)
+    idx = holed_indices((batch, s_q, width), layout.capacity(cache, page_size), device)
+    idx[0] = -1
+    topk_length = None
+    if lengths:
+        topk_length = torch.randint(0, width + 1, (batch,), dtype=torch.int32).to(device)
+        topk_length[-1] = width
+    ecache = eidx = elen = None
+    if extra_page_size is not None:
+        ecache = filled(device, max(2, 64 // extra_page_size), extra_page_size)
+        eidx = holed_indices((batch, s_q, extra_width), layout.capacity(ecache, extra_page_size), device)
+        if lengths:
+            elen = torch.randint(1, extra_width + 1, (batch,), dtype=torch.int32).to(device)
+            elen[0] = 0
+        else:
+            eidx[0] = -1
+    q = torch.randn(batch, s_q, heads, layout.HEAD_DIM).to(device, torch.bfloat16)
+    return (q, cache, page_size, idx, topk_length, sink_of(sink, heads, device),
+            ecache, extra_page_size or 1, eidx, elen, None, None, SCALE, layout.HEAD_DIM)
+
+
+def key_max(args):
+    """Largest key magnitude of a decode case (``out`` is a convex combination of keys)."""
+    caches = [(args[1], args[2])] + ([(args[6], args[7])] if args[6] is not None else [])
+    slots = [torch.arange(layout.capacity(c, p), device=c.device) for c, p in caches]
+    return max(layout.gather_dequant(c, p, s, torch.float32).abs().max().item() for (c, p), s in zip(caches, slots))
+
+
+def check_decode(args, **case):
+    out, lse = ta.flash_mla_with_kvcache(*args)
+    want_out, want_lse = reference.flash_mla_with_kvcache(*args)
+    assert (out.shape, out.stride(), out.dtype) == (want_out.shape, want_out.stride(), want_out.dtype)
+    assert (lse.shape, lse.stride(), lse.dtype) == (want_lse.shape, want_lse.stride(), want_lse.dtype)
+    compare("out", out, want_out, key_max(args), **case)
+    compare("lse", lse, want_lse, **case)
+    return out, lse
+
+
+def prefill_case(device, *, s_q=6, heads=64, s_kv=50, width=40, lengths=True, sink="random"):
+    """Prefill arguments with holes ``-1``, other negatives and indices ``>= s_kv``; query 0 empty."""
+    q = torch.randn(s_q, heads, layout.HEAD_DIM).to(device, torch.bfloat16)
+    kv = (torch.randn(s_kv, 1, layout.HEAD_DIM) * 3).to(device, torch.bfloat16)
+    idx = torch.randint(-3, s_kv + 4, (s_q, 1, width), dtype=torch.int32)
+    idx[:1] = torch.tensor([-1, s_kv])[torch.arange(width) % 2]
+    topk_length = None
+    if lengths:
+        topk_length = torch.randint(0, width + 1, (s_q,), dtype=torch.int32)
+        topk_length[1], topk_length[-1] = 0, width
+        topk_length = topk_length.to(device)
+    return q, kv, idx.to(device), SCALE, layout.HEAD_DIM, sink_of(sink, heads, device), topk_length
+
+
+def check_prefill(args, **case):
+    got = ta.flash_mla_sparse_fwd(*args)
+    want = reference.flash_mla_sparse_fwd(*args)
+    for g, w in zip(got, want):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+    vmax = args[1].abs().max().item() if args[1].numel() else 1.0
+    compare("out", got[0], want[0], vmax, **case)
+    compare("max_logits", got[1], want[1], **case)
+    compare("lse", got[2], want[2], **case)
+    return got
+
+
+# --------------------------------------------------------------------------------------------
+# Decode against the reference (interpreted on CPU, compiled on CUDA)
+# --------------------------------------------------------------------------------------------
+
+DECODE_CASES = {  # name: (case keywords, splits)
+    "h64-p64": (dict(), 1),
+    "h64-p2-sq2-extra64-nolen-nosink-split": (
+        dict(page_size=2, s_q=2, extra_page_size=64, lengths=False, sink="none"), 4),
+    "h5-p64-sq2-extra2-sink+inf-split": (dict(heads=5, s_q=2, extra_page_size=2, sink="+inf"), 3),
+    "h5-p2-extra64-sink-inf": (dict(heads=5, page_size=2, extra_page_size=64, sink="-inf"), 1),
+    "h64-p64-odd-stride-extra2-split": (dict(page_stride=64 * layout.TOKEN_BYTES + 1, extra_page_size=2), 5),
+    "h5-p2-nolen-split": (dict(heads=5, page_size=2, lengths=False), 2),
+    "h3-p61-extra69-width100-split": (
+        dict(heads=3, page_size=61, width=100, extra_page_size=69, extra_width=70), 5),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_matches_reference(device, name, splits):
+    """Holes, lengths (or none), an empty row, sinks random / +inf / -inf / none, heads 64 and odd,
+    page sizes 2 / 64 / 61 / 69 and an odd page stride, one split and several."""
+    keywords, n = DECODE_CASES[name]
+    splits(n)
+    out, lse = check_decode(decode_case(device, **keywords))
+    assert not out[0].any() and torch.isposinf(lse[0]).all()  # the empty row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_small_blocks(device, splits, monkeypatch):
+    """Several head blocks (16 of 64 heads) and key blocks of 16, split and combined."""
+    small = ta.Config(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    monkeypatch.setattr(ta, "decode_config", lambda device: small)
+    splits(3)
+    check_decode(decode_case(device, heads=40, extra_page_size=2, s_q=2))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
+    """With a split count known only at run time (symbolic under torch.compile), the kernels decide
+    in-kernel whether to write partial results and combine them."""
+    monkeypatch.setattr(ta, "_partial_mode", lambda splits: 2)
+    splits(n)
+    check_decode(decode_case(device, heads=5, s_q=2, extra_page_size=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_single_key_is_the_exact_dequantized_key(device):
+    """One key per row: ``out`` is that key, bit for bit (dequantization is exact: every fp8 code
+    but NaN, subnormals included, scales 2^-27 .. 2^23, bf16 RoPE bytes at an odd page stride)."""
+    page_size, num_pages = 4, 16
+    cache = torch.randint(0, 256, (num_pages, page_size * layout.TOKEN_BYTES + 3), dtype=torch.uint8)
+    view = cache[:, : page_size * layout.DATA_BYTES].reshape(num_pages, page_size, layout.DATA_BYTES)
+    codes = torch.arange(num_pages * page_size * layout.NOPE_DIM) % 256
+    codes = torch.where((codes & 0x7F) == 0x7F, 0x7E, codes)  # no NaN code
+    view[:, :, : layout.NOPE_DIM] = codes.view(num_pages, page_size, -1).to(torch.uint8)
+    rope = torch.randn(num_pages, page_size, layout.ROPE_DIM).to(torch.bfloat16)
+    view[:, :, layout.NOPE_DIM :] = rope.view(torch.uint8)
+    scales = cache[:, page_size * layout.DATA_BYTES : page_size * layout.TOKEN_BYTES]
+    scales = scales.view(num_pages, page_size, layout.SCALE_BYTES)
+    exponents = scales[:, :, : layout.NUM_TILES]
+    exponents.copy_(torch.randint(100, 150, exponents.shape, dtype=torch.uint8))
+    cache = cache.to(device)
+    cap = num_pages * page_size
+    q = torch.randn(cap, 1, 16, layout.HEAD_DIM).to(device, torch.bfloat16)
+    idx = torch.full((cap, 1, 3), -1, dtype=torch.int32)
+    idx[:, 0, 1] = torch.arange(cap)
+    idx = idx.to(device)
+    args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512)
+    out, lse = ta.flash_mla_with_kvcache(*args)
+    keys = layout.gather_dequant(cache, page_size, torch.arange(cap, device=device), torch.float32)
+    assert torch.equal(out[:, 0], keys[:, None, :].expand(-1, 16, -1).to(torch.bfloat16))
+    want_lse = torch.einsum("rhd,rd->rh", q[:, 0].float(), keys) * SCALE
+    torch.testing.assert_close(lse[:, :, 0], want_lse, atol=TOL["lse"].atol, rtol=TOL["lse"].rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_degenerate_shapes(device):
+    """No rows, no heads, no index columns: the outputs' geometry, nothing attended."""
+    for batch, heads, width in ((0, 64, 8), (2, 0, 8), (2, 7, 0)):
+        q = torch.randn(batch, 1, heads, 512).to(device, torch.bfloat16)
+        cache = layout.alloc_cache(2, 4, device)
+        idx = torch.zeros(batch, 1, width, dtype=torch.int32, device=device)
+        args = (q, cache, 4, idx, None, None, None, 1, None, None, None, None, SCALE, 512)
+        out, lse = ta.flash_mla_with_kvcache(*args)
+        want_out, want_lse = ops.decode_outputs(q, 512)
+        assert (out.shape, out.stride(), lse.shape, lse.stride()) == (
+            want_out.shape, want_out.stride(), want_lse.shape, want_lse.stride())
+        assert not out.any() and torch.isposinf(lse).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill against the reference
+# --------------------------------------------------------------------------------------------
+
+PREFILL_CASES = {
+    "h64-len-sink": dict(),
+    "h5-nolen-sink+inf": dict(heads=5, lengths=False, sink="+inf"),
+    "h5-len-sink-inf": dict(heads=5, sink="-inf"),
+    "h64-nosink-width70": dict(lengths=False, sink="none", width=70),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_matches_reference(device, name):
+    """Indices -1, other negatives and >= s_kv are holes; lengths (or none); an empty query."""
+    out, max_logits, lse = check_prefill(prefill_case(device, **PREFILL_CASES[name]))
+    assert not out[0].any() and torch.isneginf(max_logits[0]).all() and torch.isposinf(lse[0]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_degenerate_shapes(device):
+    """An empty workspace, no index columns, no queries."""
+    for s_q, s_kv, width in ((3, 0, 8), (3, 10, 0), (0, 10, 8)):
+        args = prefill_case(device, s_q=s_q, heads=5, s_kv=s_kv, width=width, lengths=False)
+        args = args[:2] + (args[2].clamp(-1, max(s_kv - 1, -1)),) + args[3:]
+        out, max_logits, lse = ta.flash_mla_sparse_fwd(*args)
+        assert not out.any() and torch.isneginf(max_logits).all() and torch.isposinf(lse).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Through the op, with the provider forced
+# --------------------------------------------------------------------------------------------
+
+
+@interpreted
+def test_ops_dispatch_to_the_triton_kernels():
+    """``torch.ops.dsv4.*`` on CPU, with the provider forced, run these kernels (interpreted) and
+    match the reference; the kernels pass opcheck's fake/real geometry checks."""
+    decode_args = decode_case("cpu", heads=5, extra_page_size=2)
+    prefill_args = prefill_case("cpu", heads=5)
+    with d4.use_provider(PROVIDER, ops=ta.OPS):
+        assert dispatch.resolve(ta.DECODE, torch.device("cpu"))[1] is ta.flash_mla_with_kvcache
+        got = DECODE(*decode_args), PREFILL(*prefill_args)
+        torch.library.opcheck(PREFILL, prefill_args, test_utils=("test_schema", "test_faketensor"))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], ta.flash_mla_with_kvcache(*decode_args)))
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ta.flash_mla_sparse_fwd(*prefill_args)))
+
+
+# --------------------------------------------------------------------------------------------
+# Plain CPU process: provider loading, split choice, what torch.compile traces
+# --------------------------------------------------------------------------------------------
+
+
+@compiled_triton  # interpreted, the provider serves CPU tensors on every key (tests)
+def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
+    with pytest.raises(dispatch.ProviderUnavailable, match="device type 'cpu'"):
+        ta.load(torch.device("cpu"))
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: False)
+    with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
+        ta.load(torch.device("cuda", 0))
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    assert set(ta.load(torch.device("cuda", 0))) == set(ta.OPS)
+    assert ta.load(torch.device("cuda", 0))[ta.DECODE] is ta.flash_mla_with_kvcache
+
+
+def test_decode_splits_fill_the_device_once(monkeypatch):
+    """Splits fill the device once, each with at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS."""
+    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert ta.MIN_SPLIT_KEYS == 128
+    assert ta.decode_splits(cuda, 1, 640, 32) == 5  # capped by the keys per split
+    assert ta.decode_splits(cuda, 8, 640, 32) == 5
+    assert ta.decode_splits(cuda, 64, 640, 32) == 2  # 128 programs
+    assert ta.decode_splits(cuda, 256, 640, 32) == 1
+    assert ta.decode_splits(cuda, 1, 64 * 1024, 32) == ta.MAX_SPLITS
+    assert ta.decode_splits(cuda, 1, 0, 32) == 1
+
+
+def test_decode_launch_is_guard_free_for_symbolic_rows():
+    """Traced with a symbolic row count (dynamic shapes), the launcher installs no guard: the
+    split count stays symbolic and both kernels are launched, deciding in-kernel (PARTIAL=2)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(t):
+        dims = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (t.dim() - 1)
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs.get("PARTIAL")))
+
+    q = fake(torch.empty(5, 1, 64, 512, dtype=torch.bfloat16))
+    idx = fake(torch.zeros(5, 1, 640, dtype=torch.int32))
+    with mode:
+        out, lse = ta._decode(Recorder, q, fake(layout.alloc_cache(4, 64)), 64, idx, None, None,
+                              None, 1, None, None, SCALE, 512)
+    assert [(name, partial) for name, _, partial in launches] == [
+        ("_decode_kernel", 2), ("_combine_kernel", None)]
+    assert isinstance(launches[0][1][2], torch.SymInt)  # the split count
+    assert not env.guards
+    assert lse.stride() == (64, 1, 64)
+
+
+class _Traced(Exception):
+    pass
+
+
+class _Sm90Target:
+    """Stands in for the CUDA driver where there is none: the target Triton compiles TTIR for."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def _aot_forward_graph(fn, args):
+    """The forward graph AOTAutograd hands to the backend (traced, never run)."""
+    from torch._functorch.aot_autograd import aot_function
+
+    def capture(gm, _):
+        raise _Traced(gm)
+
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def call(*ts):
+        full = list(args)
+        for i, t in zip(tensors, ts):
+            full[i] = t
+        return fn(*full)
+
+    with pytest.raises(_Traced) as traced:
+        aot_function(call, fw_compiler=capture)(*[args[i] for i in tensors])
+    return traced.value.args[0].graph
+
+
+@compiled_triton
+@pytest.mark.parametrize("rows,launches", [(2, ["_decode_kernel", "_combine_kernel"]), (512, ["_decode_kernel"])])
+def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launches):
+    """On CUDA tensors (fake ones: no GPU needed) with these kernels serving, decode becomes the
+    split and combine launches (one launch when unsplit) and prefill one launch, writing only
+    buffers allocated in the graph; a forced reference provider keeps the opaque ops."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Target())  # TTIR mutation analysis
+    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
+    with FakeTensorMode(), torch.device("cuda"):
+        q = torch.empty(rows, 1, 64, 512, dtype=torch.bfloat16)
+        cache = torch.empty(4, layout.page_bytes(64), dtype=torch.uint8)
+        ecache = torch.empty(8, layout.page_bytes(2), dtype=torch.uint8)
+        idx, eidx = torch.empty(rows, 1, 128, dtype=torch.int32), torch.empty(rows, 1, 64, dtype=torch.int32)
+        lengths, sink = torch.empty(rows, dtype=torch.int32), torch.empty(64)
+        pq, kv = torch.empty(16, 64, 512, dtype=torch.bfloat16), torch.empty(64, 1, 512, dtype=torch.bfloat16)
+        pidx = torch.empty(16, 1, 64, dtype=torch.int32)
+    decode = (q, cache, 64, idx, lengths, sink, ecache, 2, eidx, lengths, None, None, SCALE, 512)
+    prefill = (pq, kv, pidx, SCALE, 512, sink, None)
+
+    def kernels(graph):
+        nodes = [n for n in graph.nodes if n.target is triton_kernel_wrapper_functional]
+        names = []
+        for node in nodes:  # they write only the outputs and workspace (no copy of q or a cache)
+            assert set(node.kwargs["tensors_to_clone"]) <= {
+                "out_ptr", "lse_ptr", "max_logits_ptr", "part_ptr", "part_lse_ptr"}, node.kwargs["tensors_to_clone"]
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            while hasattr(kernel, "fn"):  # Autotuner -> JITFunction -> function
+                kernel = kernel.fn
+            names.append(kernel.__name__)
+        return names
+
+    with d4.use_provider(PROVIDER, ops=ta.OPS):
+        assert ta.inlines(ta.DECODE, q.device) and ta.inlines(ta.PREFILL, q.device)
+        decode_graph = _aot_forward_graph(DECODE, decode)
+        assert kernels(decode_graph) == launches
+        assert kernels(_aot_forward_graph(PREFILL, prefill)) == ["_prefill_kernel"]
+        assert not any(n.target in (DECODE, PREFILL) for n in decode_graph.nodes)
+    with d4.use_provider("reference"):
+        assert not ta.inlines(ta.DECODE, q.device)
+        graph = _aot_forward_graph(DECODE, decode)
+        assert any(n.target is DECODE for n in graph.nodes) and not kernels(graph)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA only: DSV4 shapes, CUDA graphs, torch.compile
+# --------------------------------------------------------------------------------------------
+
+
+def dsv4_decode_args(rows, heads, device="cuda"):
+    """DSV4 decode: SWA window 128 (page 256) + c4 compressed top-512 (page 64)."""
+    cache, ecache = filled(device, 16, 256), filled(device, 64, 64)
+    q = torch.randn(rows, 1, heads, 512, device=device, dtype=torch.bfloat16)
+    idx = holed_indices((rows, 1, 128), 16 * 256, device, holes=0.05)
+    eidx = holed_indices((rows, 1, 512), 64 * 64, device, holes=0.05)
+    lengths = torch.randint(1, 129, (rows,), dtype=torch.int32, device=device)
+    elen = torch.randint(0, 513, (rows,), dtype=torch.int32, device=device)
+    sink = torch.randn(heads, device=device)
+    return (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
+
+
+@pytest.mark.cuda
+@compiled_triton
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_decode_dsv4_shapes(heads, rows):
+    torch.manual_seed(rows + heads)
+    args = dsv4_decode_args(rows, heads)
+    splits = ta.decode_plan(args[0].device, rows, heads, 640)[2]
+    check_decode(args, kind="triton_decode", heads=heads, rows=rows, splits=splits)
+
+
+@pytest.mark.cuda
+@compiled_triton
+@pytest.mark.parametrize("heads,topk", [(64, 640), (128, 512)])
+def test_prefill_dsv4_shape(heads, topk):
+    torch.manual_seed(topk)
+    s_q, s_kv = 4096, 8192
+    q = torch.randn(s_q, heads, 512, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-1, s_kv, (s_q, 1, topk), dtype=torch.int32, device="cuda")
+    lengths = torch.randint(topk // 2, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+    args = (q, kv, idx, SCALE, 512, torch.randn(heads, device="cuda"), lengths)
+    check_prefill(args, kind="triton_prefill", heads=heads, topk=topk, s_q=s_q)
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_cuda_graph_replay_follows_new_lengths():
+    """Split decode and prefill are capture-safe: a replay with new lengths equals an eager call."""
+    args = list(dsv4_decode_args(8, 64))
+    prefill_args = prefill_case("cuda", s_q=64, s_kv=300, width=200)
+    ta.flash_mla_with_kvcache(*args), ta.flash_mla_sparse_fwd(*prefill_args)  # compile outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = ta.flash_mla_with_kvcache(*args)
+        pout = ta.flash_mla_sparse_fwd(*prefill_args)
+    for _ in range(2):
+        args[4].copy_(torch.randint(0, 129, args[4].shape, dtype=torch.int32, device="cuda"))
+        args[9].copy_(torch.randint(0, 513, args[9].shape, dtype=torch.int32, device="cuda"))
+        prefill_args[6].copy_(torch.randint(0, 201, prefill_args[6].shape, dtype=torch.int32, device="cuda"))
+        graph.replay()
+        want, pwant = ta.flash_mla_with_kvcache(*args), ta.flash_mla_sparse_fwd(*prefill_args)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert all(torch.equal(a, b) for a, b in zip(pout, pwant))
+
+
+class DecodeLayer(torch.nn.Module):
+    """A decode step: the attention op between Inductor-generated elementwise work."""
+
+    def __init__(self, cache, ecache):
+        super().__init__()
+        self.register_buffer("cache", cache)
+        self.register_buffer("ecache", ecache)
+
+    def forward(self, q, idx, lengths, sink, eidx, elen):
+        out, lse = d4.flash_mla_with_kvcache((q * 1.5).to(torch.bfloat16), self.cache, 256, idx, lengths, sink,
+                                             self.ecache, 64, eidx, elen)
+        return out.float() * 2, lse
+
+
+@pytest.mark.cuda
+@compiled_triton
+@pytest.mark.parametrize("rows", [8, 256])  # split + combine; one launch
+def test_compiled_decode_step_launches_the_kernels(rows):
+    from torch._inductor.utils import run_and_get_code
+
+    q, cache, _, idx, lengths, sink, ecache, _, eidx, elen = dsv4_decode_args(rows, 64)[:10]
+    layer = DecodeLayer(cache, ecache)
+    inputs = (q, idx, lengths, sink, eidx, elen)
+    with d4.use_provider(PROVIDER, ops=ta.OPS), torch.no_grad():
+        explanation = torch._dynamo.explain(layer)(*inputs)
+        assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+        want = layer(*inputs)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), *inputs)
+    code = "\n".join(codes)
+    assert "_decode_kernel" in code and "torch.ops.dsv4.flash_mla_with_kvcache" not in code
+    assert ("_combine_kernel" in code) == (rows == 8)
+    record(kind="triton_compiled_decode", rows=rows, graphs=explanation.graph_count,
+           breaks=explanation.graph_break_count, equal=torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    assert got[1].stride() == want[1].stride()
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_reduce_overhead_records_no_cudagraph_skip():
+    from torch._dynamo.utils import counters
+
+    q, cache, _, idx, lengths, sink, ecache, _, eidx, elen = dsv4_decode_args(8, 64)[:10]
+    layer, inputs = DecodeLayer(cache, ecache), (q, idx, lengths, sink, eidx, elen)
+    torch._dynamo.reset()
+    counters.clear()
+    with d4.use_provider(PROVIDER, ops=ta.OPS), torch.no_grad():
+        want = layer(*inputs)
+        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got = compiled(*inputs)
+    skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+    record(kind="triton_reduce_overhead_decode", cudagraph_skips=skips)
+    assert skips == 0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_compiled_decode_with_dynamic_rows_compiles_once():
+    """Dynamic row counts: one graph serves them all (symbolic split count, no guard) and equals
+    eager, on both sides of the split threshold."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    _, cache, _, _, _, _, ecache = dsv4_decode_args(1, 64)[:7]
+    layer = DecodeLayer(cache, ecache)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    with d4.use_provider(PROVIDER, ops=ta.OPS), torch.no_grad():
+        for rows in (8, 24, 300):
+            q, _, _, idx, lengths, sink, _, _, eidx, elen = dsv4_decode_args(rows, 64)[:10]
+            got, want = compiled(q, idx, lengths, sink, eidx, elen), layer(q, idx, lengths, sink, eidx, elen)
+            # the same math, though the traced kernels are compiled for a run-time split decision
+            torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+    record(kind="triton_compiled_decode_dynamic", frames=counter.frame_count)
+    assert counter.frame_count == 1
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter child
+# --------------------------------------------------------------------------------------------
+
+
+def test_interpreted_suite(request):
+    """Run the ``device="cpu"`` and ``interpreted`` tests in a child pytest with ``TRITON_INTERPRET=1``."""
+    if INTERPRETED:
+        pytest.skip("this process is interpreted already: the interpreted tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+         "-k", "not test_interpreted_suite", os.path.abspath(__file__)],
+        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    summary = [line for line in child.stdout.splitlines() if " passed" in line or " failed" in line]
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        reporter.write_line(f"\nTRITON_INTERPRET=1 child: {summary[-1] if summary else '?'}")
