@@ -34,11 +34,11 @@ FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metad
 #: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages): those that
 #: compile for SM90 without register spills (ptxas), around the defaults.
 DECODE_SWEEP = [ta.Config(*c) for c in (
-    (64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (32, 32, 8, 2),
+    (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 4, 2), (32, 32, 8, 2), (32, 64, 4, 2),
 )]
 MIN_SPLIT_KEYS_SWEEP = (32, 64, 128, 256, 640)
 PREFILL_SWEEP = [ta.Config(*c) for c in (
-    (64, 16, 8, 2), (64, 16, 8, 4), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (32, 32, 4, 2),
+    (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2),
 )]
 
 

@@ -80,6 +80,12 @@ class Config:
     num_warps: int
     num_stages: int
 
+    def __post_init__(self):
+        # 16-key blocks gave wrong decode results on the H200 (Triton 3.6, SM90) while 32 and up
+        # match the reference and the interpreter: keep key blocks at 32 or more.
+        if self.block_n < 32 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 32, got {self.block_n}")
+
 
 #: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 32 keys per step; compiles for SM90
 #: without register spills (ptxas), 1 program of 8 warps per SM.
@@ -256,6 +262,7 @@ def _decode_kernel(
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
     split = tl.program_id(2)
     b = row // s_q
@@ -353,6 +360,7 @@ def _prefill_kernel(
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (query, head block) over the query's counted indices into ``kv``."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < heads
