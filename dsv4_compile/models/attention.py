@@ -1,0 +1,168 @@
+"""``DeepseekV4Attention``: one DSV4 attention layer over the ``dsv4`` ops (DESIGN.md §4).
+
+Math per step (upstream: SGLang ``python/sglang/srt/models/deepseek_v4.py`` ``MQALayer``,
+revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``:
+
+1. ``q_lora = RMSNorm(wq_a x)``; ``q = wq_b q_lora`` ``[T, H, D]``; per-head unweighted RMSNorm,
+   then RoPE on dims 448..511 at the token position.
+2. ``kv = wkv x`` ``[T, D]`` -> ``dsv4::fused_k_norm_rope_flashmla`` (``kv_norm`` weight) into the
+   window cache at ``swa_slots``.
+3. ``compress_ratio > 0``: the :class:`~.compressor.Compressor` pools the blocks completing in this
+   step into the compressed cache through the same store op (float32 latent, float32 ``norm``
+   weight, RoPE at the block's first position; page size ``page_size / ratio``). Ratio 4: the
+   :class:`~.indexer.Indexer` selects ``index_topk`` blocks per query; ratio 128: every completed
+   block (up to ``max_seq_len / 128``).
+4. Sparse attention, softmax scale ``D**-0.5``, learned ``attn_sink [H]``: window keys (newest
+   first, ``sliding_window`` of them) plus the selected compressed keys. ``"decode"`` mode:
+   ``dsv4::flash_mla_with_kvcache`` with the compressed keys as ``extra_*``; ``"prefill"`` mode:
+   ``dsv4::flash_mla_sparse_fwd`` over a workspace dequantized from both caches.
+5. Inverse RoPE on the output's dims 448..511; grouped low-rank output projection: group ``g`` of
+   ``o_groups`` takes heads ``[g*H/G, (g+1)*H/G)`` through its slice of ``wo_a``; then ``wo_b``.
+6. The compressors' state rings take this step's tokens, last (:meth:`.Compressor.remember`).
+
+RoPE tables: ``rope_theta`` for ratio-0 layers, ``compress_rope_theta`` with YaRN for compressed
+layers (:mod:`.rope`); a layer uses its table for q, the window keys, the compressed keys and the
+inverse rotation alike. Caches, compressor states and indexer keys are module buffers allocated
+once (:class:`~.config.CacheConfig`), so a step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import layout, ops
+from .compressor import Compressor
+from .config import CacheConfig, DeepseekV4Config
+from .indexer import Indexer
+from .metadata import StepMetadata
+from .norm import RMSNorm, rms_norm
+from .rope import layer_rope_table, rope_last
+
+
+class DeepseekV4Attention(nn.Module):
+    """One DSV4 attention layer of kind ``compress_ratio`` (0, 4 or 128) with its own caches."""
+
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        compress_ratio: int,
+        cache: CacheConfig,
+        *,
+        freqs: torch.Tensor | None = None,
+        device=None,
+        dtype=torch.bfloat16,
+    ):
+        super().__init__()
+        if compress_ratio not in (0, 4, 128):
+            raise ValueError(f"compress_ratio must be 0, 4 or 128, got {compress_ratio}")
+        self.compress_ratio = compress_ratio
+        self.heads, self.groups = config.num_attention_heads, config.o_groups
+        self.o_lora_rank, self.eps = config.o_lora_rank, config.rms_norm_eps
+        self.page_size = cache.page_size
+        self.softmax_scale = layout.HEAD_DIM**-0.5
+        hidden, d = config.hidden_size, layout.HEAD_DIM
+        linear = dict(bias=False, device=device, dtype=dtype)
+
+        self.wq_a = nn.Linear(hidden, config.q_lora_rank, **linear)
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps, device=device, dtype=dtype)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.heads * d, **linear)
+        self.wkv = nn.Linear(hidden, d, **linear)
+        self.kv_norm = RMSNorm(d, self.eps, device=device, dtype=dtype)
+        self.wo_a = nn.Linear(self.heads * d // self.groups, self.groups * self.o_lora_rank, **linear)
+        self.wo_b = nn.Linear(self.groups * self.o_lora_rank, hidden, **linear)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, device=device, dtype=torch.float32))
+
+        if freqs is None:
+            freqs = layer_rope_table(config, compress_ratio, device)
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.register_buffer("swa_cache", layout.alloc_cache(cache.num_pages, cache.page_size, device))
+        self.compressor = self.indexer = None
+        if compress_ratio:
+            self.compressed_page_size = cache.compressed_page_size(compress_ratio)
+            self.compressor = Compressor(
+                hidden, d, compress_ratio, max_requests=cache.max_requests, device=device, dtype=dtype
+            )
+            self.register_buffer(
+                "compressed_cache", layout.alloc_cache(cache.num_pages, self.compressed_page_size, device)
+            )
+        if compress_ratio == 4:
+            self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; stores this step's keys into the layer's caches."""
+        positions = meta.positions
+        q_lora = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lora).unflatten(-1, (self.heads, layout.HEAD_DIM))
+        q = rope_last(rms_norm(q, None, self.eps), self.freqs, positions).to(x.dtype)
+        ops.fused_k_norm_rope_flashmla(
+            self.wkv(x), self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
+            self.swa_cache, self.eps, self.page_size,
+        )
+
+        blocks = None
+        remember = []  # compressor rings are written last (Compressor.remember)
+        if self.compressor is not None:
+            plan = meta.plans[self.compress_ratio]
+            latent, tokens = self.compressor(x, plan)
+            remember.append((self.compressor, plan, tokens))
+            ops.fused_k_norm_rope_flashmla(
+                latent, self.compressor.norm_weight, self.freqs, plan.emit_pos, plan.emit_slot,
+                self.compressed_cache, self.eps, self.compressed_page_size,
+            )
+            if self.indexer is not None:
+                blocks, tokens = self.indexer(x, q_lora, meta)
+                remember.append((self.indexer.compressor, plan, tokens))
+            else:  # ratio 128: every visible block
+                k = torch.arange(plan.block_slots.shape[1], device=x.device)
+                blocks = torch.where(k < plan.lengths[:, None], k, -1)
+
+        attend = self._decode if meta.mode == "decode" else self._prefill
+        out = attend(q, meta, blocks)  # [T, H, D] bf16
+        out = rope_last(out, self.freqs, positions, inverse=True).to(x.dtype)
+        out = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups)
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
+        out = self.wo_b(torch.einsum("tgd,grd->tgr", out, wo_a).flatten(1))
+        for compressor, plan, tokens in remember:
+            compressor.remember(plan, tokens)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
+        extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None)
+        if blocks is not None:
+            plan = meta.plans[self.compress_ratio]
+            slots = torch.gather(plan.block_slots, 1, blocks.clamp_min(0))
+            extra = dict(
+                extra_k_cache=self.compressed_cache,
+                extra_page_size=self.compressed_page_size,
+                extra_indices=torch.where(blocks >= 0, slots, -1).int().unsqueeze(1),
+                extra_topk_length=torch.clamp(plan.lengths, max=blocks.shape[1]).int(),
+            )
+        q = q.unsqueeze(1)  # one query row per token: [T, 1, H, D]
+        metadata, splits = meta.scheduler(
+            self.compress_ratio, q, meta.window_indices, meta.window_lengths,
+            extra["extra_indices"], extra["extra_topk_length"],
+        )
+        out, _ = ops.flash_mla_with_kvcache(
+            q, self.swa_cache, self.page_size, meta.window_indices, meta.window_lengths,
+            self.attn_sink, **extra, tile_scheduler_metadata=metadata, num_splits=splits,
+            softmax_scale=self.softmax_scale,
+        )
+        return out.squeeze(1)
+
+    def _prefill(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
+        workspace = layout.dequant_workspace(self.swa_cache, self.page_size, meta.window_workspace_slots)
+        indices = meta.window_indices
+        if blocks is not None:
+            plan = meta.plans[self.compress_ratio]
+            base = workspace.shape[0] + meta.batch_index[:, None] * plan.block_slots.shape[1]
+            rows = torch.where(blocks >= 0, base + blocks, -1).int().unsqueeze(1)
+            compressed = layout.dequant_workspace(
+                self.compressed_cache, self.compressed_page_size, plan.workspace_slots
+            )
+            workspace = torch.cat([workspace, compressed])
+            indices = torch.cat([indices, rows], dim=-1)
+        out, _, _ = ops.flash_mla_sparse_fwd(
+            q, workspace, indices, self.softmax_scale, attn_sink=self.attn_sink
+        )
+        return out

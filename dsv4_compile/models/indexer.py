@@ -1,0 +1,106 @@
+"""The lightning indexer of ratio-4 layers: which compressed blocks each query attends to.
+
+Semantics follow SGLang ``python/sglang/srt/layers/attention/dsv4/indexer.py`` (``C4Indexer``,
+``fp8_paged_mqa_logits_torch``, ``_topk_transform_512_vectorized``, revision 00509fc3) and the
+PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_quant_torch``):
+
+* query: ``q = wq_b(q_lora)`` ``[T, H_i, 128]`` (``q_lora`` is the attention's normed
+  ``q_lora``), interleaved RoPE on its last 64 dims at the token position (the layer's table),
+  then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm.
+* head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5``.
+* keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block; the
+  latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated.
+* logits over the request's visible blocks ``k < (pos+1)//4``:
+  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``.
+* selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
+  ``index_topk`` best (ties broken by ``torch.topk``); ``-1`` pads to the fixed width.
+
+Deviation: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
+before the logits; here both stay float32, and the key cache is a float32 buffer addressed by c4
+slots (its last row is scratch for candidates that store nothing). Selection is therefore the
+exact-arithmetic top-k, which FP8 can perturb near ties.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor, StepTokens
+from .config import CacheConfig, DeepseekV4Config
+from .metadata import StepMetadata
+from .norm import rms_norm
+from .rope import rope_last
+
+RATIO = 4
+
+
+def hadamard_matrix(n: int, device=None) -> torch.Tensor:
+    """The Sylvester Walsh-Hadamard matrix of order ``n`` (a power of two), scaled by ``n**-0.5``
+    so that ``x @ H`` is orthonormal."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).float().to(device)
+
+
+class Indexer(nn.Module):
+    """Scores the compressed blocks of a ratio-4 layer and returns the top-k per query."""
+
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        cache: CacheConfig,
+        freqs: torch.Tensor,
+        *,
+        device=None,
+        dtype=torch.bfloat16,
+    ):
+        super().__init__()
+        self.heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.eps = config.index_topk, config.rms_norm_eps
+        self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
+        self.wq_b = nn.Linear(
+            config.q_lora_rank, self.heads * self.head_dim, bias=False, device=device, dtype=dtype
+        )
+        self.weights_proj = nn.Linear(
+            config.hidden_size, self.heads, bias=False, device=device, dtype=dtype
+        )
+        self.compressor = Compressor(
+            config.hidden_size, self.head_dim, RATIO,
+            max_requests=cache.max_requests, device=device, dtype=dtype,
+        )
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.register_buffer("hadamard", hadamard_matrix(self.head_dim, device), persistent=False)
+        slots = cache.num_pages * cache.compressed_page_size(RATIO)
+        self.register_buffer("keys", torch.zeros(slots + 1, self.head_dim, device=device))
+
+    def forward(
+        self, x: torch.Tensor, q_lora: torch.Tensor, meta: StepMetadata
+    ) -> tuple[torch.Tensor, StepTokens]:
+        """Selected block ids ``[T, index_topk]`` int64 (``-1`` = none), after storing the keys of
+        the blocks this step completes; and the compressor's step tokens (for ``remember``)."""
+        plan = meta.plans[RATIO]
+        latent, tokens = self.compressor(x, plan)
+        key = rope_last(rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos)
+        scratch = self.keys.shape[0] - 1
+        self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key @ self.hadamard
+
+        q = self.wq_b(q_lora).view(-1, self.heads, self.head_dim)
+        q = rope_last(q, self.freqs, meta.positions) @ self.hadamard  # [T, H_i, D_i] fp32
+        weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
+        keys = self.keys[plan.block_slots.clamp_min(0)]  # [T, M, D_i]
+        scores = torch.einsum("thd,tkd->thk", q, keys).relu()
+        logits = torch.einsum("th,thk->tk", weights, scores)
+        logits = logits.masked_fill(plan.block_slots < 0, float("-inf"))
+        return self.select(logits, plan.lengths), tokens
+
+    def select(self, logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Top-``index_topk`` block ids of ``logits [T, M]`` (``-inf`` = not visible), ``-1`` padded."""
+        num_blocks = logits.shape[1]
+        order = torch.arange(self.topk, device=logits.device)
+        in_order = torch.where(order < lengths[:, None], order, -1)  # every visible block
+        if num_blocks <= self.topk:
+            return in_order
+        best = logits.topk(self.topk, dim=-1).indices
+        return torch.where(lengths[:, None] <= self.topk, in_order, best)

@@ -1,0 +1,241 @@
+"""Per-step metadata: everything the layers of one step share, built once from the batch.
+
+:func:`build_step_metadata` turns the batch description — ``positions [T]``, ``batch_index [T]``
+(the batch row of each token; a row's tokens are contiguous, at consecutive positions ending at
+``seq_lens - 1``), ``seq_lens [B]`` (lengths after the step), ``req_slots [B]`` (the request's row
+in the page table and in the compressor states) and the page table — into cache write slots,
+window indices, compressed-block indices and compressor plans. It is traceable PyTorch with fixed
+shapes (functions of T, B and the :class:`~dsv4_compile.models.config.CacheConfig`), no host sync
+and no data-dependent branch: a slot of ``-1`` means "do not write" / "no key".
+
+Addressing (:class:`~dsv4_compile.models.config.CacheConfig`): page ``j`` of request ``r`` is
+``page_table[r, j]``; token ``p`` of the request lives at slot ``page * P + p % P`` of the window
+cache (``P = page_size``), compressed block ``k`` (tokens ``[k*ratio, (k+1)*ratio)``) at slot
+``page * (P/ratio) + k % (P/ratio)`` of the ratio's cache, with ``page = page_table[r, k*ratio // P]``.
+
+Two attention modes, chosen by the caller per step (a static choice, one graph each):
+
+* ``"decode"`` (decode and small extend): one query row per token for
+  ``dsv4::flash_mla_with_kvcache``; window indices are window-cache slots.
+* ``"prefill"``: ``dsv4::flash_mla_sparse_fwd`` over a bf16 workspace; each batch row's window
+  tokens ``[start - (W-1), seq_len)`` are dequantized into the workspace (``T + B*(W-1)`` rows),
+  window indices are workspace rows, and the compressed part appends ``B * max_blocks`` rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from .config import CacheConfig
+
+MODES = ("decode", "prefill")
+
+
+def overlaps(ratio: int) -> bool:
+    """Ratio-4 compression pools overlapping windows of two blocks (upstream: ``overlap``)."""
+    return ratio == 4
+
+
+def source_window(ratio: int) -> int:
+    """Tokens pooled into one compressed block: ``2 * ratio`` with overlap, else ``ratio``."""
+    return 2 * ratio if overlaps(ratio) else ratio
+
+
+@dataclass
+class CompressPlan:
+    """What the layers of one compress ratio share in a step.
+
+    ``N = T // ratio + B`` bounds the blocks that complete in a step (a row of ``n`` tokens
+    completes at most ``n // ratio + 1``), so the compressor always computes ``N`` candidates;
+    those that complete nothing have ``emit_slot = -1`` and are not stored. ``S`` is the
+    :func:`source_window`; the compressor state ring keeps each request's last ``S`` tokens at
+    ``req * S + pos % S`` (row ``max_requests`` is scratch for writes that are not kept).
+    """
+
+    ratio: int
+    lengths: torch.Tensor  # [T] int64: compressed blocks visible to each query, (pos+1) // ratio
+    block_slots: torch.Tensor  # [T, M] int64: slot of block k of the query's request, -1 if k >= lengths
+    block_offset: torch.Tensor  # [T] int64: pos % ratio, the token's place in its block (row of ape)
+    emit_slot: torch.Tensor  # [N] int64: cache slot of the block candidate n completes, or -1
+    emit_pos: torch.Tensor  # [N] int64: first position of that block (its RoPE position)
+    source_row: torch.Tensor  # [N, S] int64: step row of each pooled token (clamped)
+    source_from_step: torch.Tensor  # [N, S] bool: the pooled token is in this step
+    source_state: torch.Tensor  # [N, S] int64: its index in the state ring (clamped)
+    source_pad: torch.Tensor  # [N, S] bool: position < 0 (kv 0, score -inf)
+    state_index: torch.Tensor  # [T] int64: where each token's (kv, score) goes in the ring
+    workspace_slots: torch.Tensor | None  # prefill: [B * M] slot of block k of batch row b, or -1
+
+
+@dataclass
+class StepMetadata:
+    """Per-step metadata shared by every layer (see the module docstring)."""
+
+    mode: str
+    positions: torch.Tensor  # [T] int64
+    batch_index: torch.Tensor  # [T] int64
+    last_rows: torch.Tensor  # [B] int64: row of each batch row's last token
+    swa_slots: torch.Tensor  # [T] int64: window-cache slot each token is stored at
+    window_indices: torch.Tensor  # [T, 1, W] int32: newest first, -1 padded; slots or workspace rows
+    window_lengths: torch.Tensor  # [T] int32: min(pos + 1, W)
+    window_workspace_slots: torch.Tensor | None  # prefill: [T + B*(W-1)] window-cache slots, -1 = zero row
+    plans: dict[int, CompressPlan]
+    #: decode scheduler metadata per layer kind, computed by the first layer of the kind
+    schedulers: dict = field(default_factory=dict)
+
+    def scheduler(self, kind: int, q, indices, lengths, extra_indices, extra_lengths):
+        """``get_mla_metadata`` once per step and layer kind (0, 4, 128): the shapes and lengths of
+        a kind are the same in every layer of the step."""
+        if kind not in self.schedulers:
+            self.schedulers[kind] = ops.get_mla_metadata(
+                q, indices, lengths, extra_indices, extra_lengths
+            )
+        return self.schedulers[kind]
+
+
+def slot_of(page_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, per_page: int) -> torch.Tensor:
+    """Slot of entry ``entry`` (token or block, ``>= 0``) of request ``req`` in a cache of
+    ``per_page`` entries a page; ``req`` and ``entry`` broadcast."""
+    page = page_table[req, torch.div(entry, per_page, rounding_mode="floor")].long()
+    return page * per_page + entry % per_page
+
+
+def build_step_metadata(
+    positions: torch.Tensor,
+    batch_index: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    cache: CacheConfig,
+    window: int,
+    ratios: tuple[int, ...] = (4, 128),
+    mode: str = "decode",
+) -> StepMetadata:
+    """Build the :class:`StepMetadata` of one step (traceable; fixed shapes; no host sync)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    device = positions.device
+    positions, batch_index = positions.long(), batch_index.long()
+    seq_lens, req_slots = seq_lens.long(), req_slots.long()
+    num_tokens, batch = positions.shape[0], seq_lens.shape[0]
+    page = cache.page_size
+
+    counts = torch.zeros(batch, dtype=torch.long, device=device).scatter_add(
+        0, batch_index, torch.ones_like(batch_index)
+    )
+    ends = counts.cumsum(0)
+    first_row = ends - counts  # [B] row of the first token of each batch row
+    chunk_start = seq_lens - counts  # [B] position of that token
+    req = req_slots[batch_index]  # [T]
+    swa_slots = slot_of(page_table, req, positions, page)
+
+    # window: positions pos, pos-1, ..., pos-(W-1) (newest first); -1 before position 0
+    back = torch.arange(window, device=device)
+    window_pos = positions[:, None] - back
+    in_window = window_pos >= 0
+    window_lengths = torch.clamp(positions + 1, max=window).int()
+    window_workspace_slots = None
+    if mode == "decode":
+        window_idx = torch.where(
+            in_window, slot_of(page_table, req[:, None], window_pos.clamp_min(0), page), -1
+        )
+    else:
+        # workspace row of (batch row b, position p): first_row[b] + b*(W-1) + (W-1) + p - start[b];
+        # for a token at row t that is t + (b+1)*(W-1) - j for its j-th newest window key
+        token_row = torch.arange(num_tokens, device=device) + (batch_index + 1) * (window - 1)
+        window_idx = torch.where(in_window, token_row[:, None] - back, -1)
+        pre = torch.arange(window - 1, device=device)
+        pre_pos = chunk_start[:, None] - (window - 1) + pre  # [B, W-1]
+        pre_rows = (first_row + torch.arange(batch, device=device) * (window - 1))[:, None] + pre
+        pre_slots = torch.where(
+            pre_pos >= 0, slot_of(page_table, req_slots[:, None], pre_pos.clamp_min(0), page), -1
+        )
+        window_workspace_slots = torch.full(
+            (num_tokens + batch * (window - 1),), -1, dtype=torch.long, device=device
+        )
+        window_workspace_slots = window_workspace_slots.scatter(0, token_row, swa_slots).scatter(
+            0, pre_rows.flatten(), pre_slots.flatten()
+        )
+
+    plans = {
+        ratio: _compress_plan(
+            ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, page_table,
+            cache, mode,
+        )
+        for ratio in ratios
+    }
+    return StepMetadata(
+        mode=mode,
+        positions=positions,
+        batch_index=batch_index,
+        last_rows=ends - 1,
+        swa_slots=swa_slots,
+        window_indices=window_idx.int().unsqueeze(1),
+        window_lengths=window_lengths,
+        window_workspace_slots=window_workspace_slots,
+        plans=plans,
+    )
+
+
+def _compress_plan(
+    ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, page_table, cache, mode
+) -> CompressPlan:
+    device = positions.device
+    num_tokens, batch = positions.shape[0], seq_lens.shape[0]
+    per_page = cache.compressed_page_size(ratio)
+    max_blocks = cache.max_blocks(ratio)
+    span = source_window(ratio)
+
+    # visible blocks: block k is complete once position k*ratio + ratio - 1 is stored
+    lengths = torch.div(positions + 1, ratio, rounding_mode="floor")
+    k = torch.arange(max_blocks, device=device)
+    request_blocks = slot_of(page_table, req_slots[:, None], k, per_page)  # [B, M]
+    block_slots = torch.where(k < lengths[:, None], request_blocks[batch_index], -1)
+
+    # candidates: the n-th token (in row order) that ends a block -> n-th compressed output
+    candidates = num_tokens // ratio + batch
+    ends_block = (positions + 1) % ratio == 0
+    dest = torch.where(ends_block, ends_block.long().cumsum(0) - 1, candidates)
+    emit_row = torch.full((candidates + 1,), -1, dtype=torch.long, device=device).scatter(
+        0, dest, torch.arange(num_tokens, device=device)
+    )[:candidates]
+    valid = emit_row >= 0
+    row = emit_row.clamp_min(0)
+    end = positions[row]
+    b = batch_index[row]
+    block = torch.div(end, ratio, rounding_mode="floor")
+    emit_slot = torch.where(valid, slot_of(page_table, req_slots[b], block, per_page), -1)
+    emit_pos = torch.where(valid, block * ratio, 0)
+
+    # the pooled tokens: positions end-(S-1) .. end, oldest first
+    source_pos = end[:, None] - (span - 1) + torch.arange(span, device=device)
+    from_step = source_pos >= chunk_start[b][:, None]
+    source_row = (row[:, None] + source_pos - end[:, None]).clamp_min(0)  # <= row: in range
+    source_state = req_slots[b][:, None] * span + source_pos.remainder(span)
+
+    # ring writes: keep each request's last S tokens; the others go to the scratch row
+    keep = positions >= seq_lens[batch_index] - span
+    scratch = cache.max_requests * span + torch.arange(num_tokens, device=device) % span
+    state_index = torch.where(keep, req * span + positions % span, scratch)
+
+    workspace_slots = None
+    if mode == "prefill":
+        filled = torch.div(seq_lens, ratio, rounding_mode="floor")
+        workspace_slots = torch.where(k < filled[:, None], request_blocks, -1).flatten()
+    return CompressPlan(
+        ratio=ratio,
+        lengths=lengths,
+        block_slots=block_slots,
+        block_offset=positions % ratio,
+        emit_slot=emit_slot,
+        emit_pos=emit_pos,
+        source_row=source_row,
+        source_from_step=from_step,
+        source_state=source_state,
+        source_pad=source_pos < 0,
+        state_index=state_index,
+        workspace_slots=workspace_slots,
+    )

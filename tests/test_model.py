@@ -1,0 +1,140 @@
+"""The small DSV4 model: one graph per step, compiled decode == eager decode, greedy generation
+over prompts of different lengths, and prefill/decode consistency."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch._inductor.utils import run_and_get_code
+
+from dsv4_compile.models import (
+    CacheConfig,
+    DeepseekV4Model,
+    decode_inputs,
+    generate,
+    prefill_inputs,
+    step_inputs,
+    tiny_config,
+)
+from dsv4_compile.models.model import Batch
+from test_block import assert_no_cache_copy
+
+CFG = tiny_config(sliding_window=32)
+CACHE = CacheConfig(max_requests=4, max_seq_len=512, page_size=256)
+PROMPT_LENGTHS = (5, 37, 150)
+STEPS = 5
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def make_model(device="cpu") -> DeepseekV4Model:
+    return DeepseekV4Model(CFG, CACHE, seed=0, device=device)
+
+
+def run_generation(model, decode, device="cpu"):
+    """Greedy tokens and per-step logits; prefill eager, decode through ``decode``."""
+    logits = []
+    with torch.no_grad():
+        tokens = generate(model, decode, prompts(), STEPS, device, on_step=lambda s, l: logits.append(l))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_step_is_one_graph_without_breaks(mode):
+    model = make_model()
+    batch = Batch(prompts())
+    inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(**inputs, mode=mode)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
+def test_one_prefill_equals_prefill_then_decode_steps():
+    """Generating token by token and prefilling the generated text give the same last logits:
+    the compressor state ring, the window and the indexer see the same tokens either way."""
+    model = make_model()
+    tokens, logits = run_generation(model, model)
+    text = [p + t[:-1] for p, t in zip(prompts(), tokens)]
+    for mode in ("prefill", "decode"):  # decode mode also runs multi-token (extend) steps
+        model.reset_caches()
+        with torch.no_grad():
+            again = model(**prefill_inputs(text, "cpu"), mode=mode)
+        torch.testing.assert_close(again, logits[-1], atol=1e-2, rtol=1e-2)
+
+
+def test_extend_in_chunks_equals_one_prefill():
+    model = make_model()
+    text = prompts()
+    with torch.no_grad():
+        want = model(**prefill_inputs(text, "cpu"), mode="prefill")
+        model.reset_caches()
+        cut = [n // 3 for n in PROMPT_LENGTHS]
+        model(**step_inputs([t[:c] for t, c in zip(text, cut)], [0] * len(text), "cpu"), mode="prefill")
+        got = model(**step_inputs([t[c:] for t, c in zip(text, cut)], cut, "cpu"), mode="decode")
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_compiled_decode_generates_what_eager_generates():
+    """Inductor: the decode step calls the dsv4 ops, copies no cache, and generates the eager
+    tokens (logits within bf16 noise: Inductor reorders float32 reductions)."""
+    eager = make_model()
+    compiled_model = copy.deepcopy(eager)
+    want_tokens, want_logits = run_generation(eager, eager)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    codes = []
+
+    def decode(**inputs):
+        if codes:
+            return compiled(**inputs)
+        out, code = run_and_get_code(compiled, **inputs)
+        codes.extend(code)
+        return out
+
+    got_tokens, got_logits = run_generation(compiled_model, decode)
+    code = "\n".join(codes)
+    for op in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "get_mla_metadata"):
+        assert f"torch.ops.dsv4.{op}.default" in code, op
+    for layer in compiled_model.layers:
+        assert_no_cache_copy(code, layer.attn)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+def test_decode_batch_size_changes_recompile_at_most_once():
+    torch._dynamo.reset()
+    model = make_model()
+    counter = CompileCounter()
+    step = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for rows in (3, 2, 4, 3):
+            batch = Batch([[1] * (10 + 7 * b) for b in range(rows)])
+            step(**decode_inputs(batch, "cpu"), mode="decode")
+    assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.cuda
+def test_cuda_reduce_overhead_generation_has_no_cudagraph_skips():
+    from torch._dynamo.utils import counters
+
+    eager = make_model("cuda")
+    compiled_model = copy.deepcopy(eager)
+    want_tokens, want_logits = run_generation(eager, eager, "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(compiled_model, fullgraph=True, mode="reduce-overhead")
+    got_tokens, got_logits = run_generation(
+        compiled_model, lambda **inputs: compiled(**inputs).clone(), "cuda"
+    )
+    assert dict(counters["inductor"]).get("cudagraph_skips", 0) == 0
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)

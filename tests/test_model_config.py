@@ -1,0 +1,90 @@
+"""Configuration (DSV4-Flash numbers, validation) and the RoPE tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4_compile.models import DeepseekV4Config, apply_rope, layer_rope_table, tiny_config
+from dsv4_compile.models.rope import inv_freq
+
+
+def test_defaults_are_dsv4_flash():
+    c = DeepseekV4Config()
+    assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.head_dim) == (4096, 64, 1024, 512)
+    assert (c.o_lora_rank, c.o_groups, c.sliding_window) == (1024, 8, 128)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 512)
+    assert (c.rope_theta, c.compress_rope_theta, c.rope_factor) == (10000, 160000, 16)
+    assert (c.original_max_position_embeddings, c.rms_norm_eps) == (65536, 1e-6)
+    assert c.compress_ratios[:6] == (0, 0, 4, 128, 4, 128)
+    assert len(c.compress_ratios) == c.num_hidden_layers + 1 == 44  # + the MTP layer
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=256), "head_dim must be 512"),
+        (dict(num_attention_heads=6, o_groups=4), "multiple of o_groups"),
+        (dict(compress_ratios=(0, 8, 128)), "compress_ratios must be in"),
+        (dict(num_hidden_layers=4), "one entry per layer"),
+        (dict(index_head_dim=96), "power of two"),
+    ],
+)
+def test_config_rejects_what_the_layout_cannot_hold(change, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**change)
+
+
+def test_fewer_heads_are_legal():
+    assert tiny_config(num_attention_heads=2, o_groups=1).num_attention_heads == 2
+
+
+def yarn_reference(base, factor, original, beta_fast, beta_slow, dim=64):
+    """DSV4's YaRN blend, written out in float64."""
+    i = torch.arange(dim // 2, dtype=torch.float64)
+    f = base ** (-2 * i / dim)
+
+    def correction(rot):
+        return dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(correction(beta_fast)), 0), min(math.ceil(correction(beta_slow)), dim - 1)
+    ramp = ((i - lo) / (hi - lo)).clamp(0, 1)
+    return f * (1 - ramp) + f / factor * ramp
+
+
+def test_yarn_keeps_fast_dims_and_interpolates_slow_ones():
+    c = DeepseekV4Config()
+    got = inv_freq(64, c.compress_rope_theta, factor=16, original_max_pos=65536)
+    want = yarn_reference(c.compress_rope_theta, 16, 65536, c.beta_fast, c.beta_slow)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    plain = inv_freq(64, c.compress_rope_theta)
+    assert got[0] == plain[0] and torch.allclose(got[-1], plain[-1] / 16)
+
+
+def test_layer_tables_by_kind():
+    c = tiny_config()
+    window, compressed = layer_rope_table(c, 0), layer_rope_table(c, 4)
+    assert layer_rope_table(c, 128) is compressed  # built once, shared by every compressed layer
+    assert window.shape == (c.max_position_embeddings, 64) and window.dtype == torch.float32
+    pos = torch.tensor([0, 1, 1000, 4095])
+    for table, freqs in (
+        (window, c.rope_theta ** (-torch.arange(32, dtype=torch.float64) * 2 / 64)),  # no YaRN
+        (compressed, yarn_reference(c.compress_rope_theta, 16, 65536, 32, 1)),
+    ):
+        angle = pos[:, None].double() * freqs
+        want = torch.stack([angle.cos(), angle.sin()], -1).flatten(-2)
+        torch.testing.assert_close(table[pos].double(), want, atol=2e-4, rtol=0)  # float32 angles
+
+
+def test_inverse_rope_undoes_rope():
+    table = layer_rope_table(tiny_config(), 4)
+    x, pos = torch.randn(5, 3, 64), torch.tensor([0, 7, 99, 1000, 4000])
+    back = apply_rope(apply_rope(x, table, pos), table, pos, inverse=True)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+    # pairs are (2i, 2i+1): position 1 rotates the first pair by f_0 = 1 radian
+    e0 = torch.zeros(1, 64)
+    e0[0, 0] = 1
+    rotated = apply_rope(e0, table, torch.tensor([1]))
+    torch.testing.assert_close(rotated[0, :2], torch.tensor([math.cos(1.0), math.sin(1.0)]))
