@@ -187,7 +187,7 @@ def main():
     device = torch.device(DEV, torch.cuda.current_device())
     report = {
         "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
-        "flashmla": flashmla, "decode_config": str(ta.decode_config(device)), "prefill_config": str(ta.PREFILL_CONFIG),
+        "flashmla": flashmla, "decode_config": str(ta.decode_config(device)), "prefill_config": str(ta.prefill_config(device)),
         "min_split_keys": ta.MIN_SPLIT_KEYS,
         "decode": [bench_decode(rows, 64, flashmla, args.sweep) for rows in (1, 8, 64, 256)],
         "prefill": [bench_prefill(64, 640, flashmla, args.sweep)],

@@ -393,10 +393,12 @@ def test_decode_splits_fill_the_device_once(monkeypatch):
     """Splits fill the device once, each with at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS."""
     monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    assert ta.MIN_SPLIT_KEYS == 128
+    monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 128)
     assert ta.decode_splits(cuda, 1, 640, 32) == 5  # capped by the keys per split
     assert ta.decode_splits(cuda, 8, 640, 32) == 5
     assert ta.decode_splits(cuda, 64, 640, 32) == 2  # 128 programs
+    monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 64)
+    assert ta.decode_splits(cuda, 1, 640, 32) == 10
     assert ta.decode_splits(cuda, 256, 640, 32) == 1
     assert ta.decode_splits(cuda, 1, 64 * 1024, 32) == ta.MAX_SPLITS
     assert ta.decode_splits(cuda, 1, 0, 32) == 1

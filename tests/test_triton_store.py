@@ -394,6 +394,7 @@ class _Sm90Target:
 
 
 @compiled_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes the CUDA driver: only without a GPU")
 def test_functionalization_traces_the_triton_launch(monkeypatch, request):
     """On CUDA tensors (fake ones here: no GPU needed) the op becomes Inductor's user-defined
     Triton kernel node, which mutates only the cache; a forced reference provider or checked mode
@@ -477,7 +478,8 @@ def test_compile_launches_the_triton_kernel_in_place():
 @pytest.mark.cuda
 @compiled_triton
 def test_compile_with_dynamic_token_count():
-    """One graph serves several token counts (symbolic grid and ``num_tokens``)."""
+    """One graph serves several token counts; with a symbolic token count the op stays an opaque
+    call (see ``_functional_rule``), exact at every count."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -487,8 +489,9 @@ def test_compile_with_dynamic_token_count():
         args = make_case("cuda", num_tokens, 64, holes=3)
         expected = args[5].clone()
         STORE(*args[:5], expected, *args[6:])
-        compiled(*args)
-        assert torch.equal(args[5], expected)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            compiled(*args)
+        assert torch.equal(args[5], expected), f"{num_tokens} tokens"
     assert counter.frame_count == 1
 
 

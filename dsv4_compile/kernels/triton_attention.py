@@ -87,30 +87,40 @@ class Config:
             raise ValueError(f"block_n must be a power of two >= 32, got {self.block_n}")
 
 
-#: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 32 keys per step; compiles for SM90
-#: without register spills (ptxas), 1 program of 8 warps per SM.
-DECODE_CONFIG = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
+#: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
+#: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8).
+DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2)
 #: Decode elsewhere (mma.sync GPUs: SM80/86/89/120; AMD, Intel): 32 heads per program, as 64
 #: spill ~0.9 KB per thread on SM80 (ptxas).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
-#: Prefill everywhere: no spills on SM80 or SM90.
-PREFILL_CONFIG = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
+#: Prefill on SM90 / SM100: 64 keys per step (1.6x the 32-key geometry on the H200).
+PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2)
+#: Prefill elsewhere: 32 keys per step, no spills on SM80, within smaller shared memories.
+PREFILL_CONFIG_SMALL = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
 #: The combine kernel's tile: heads x output columns per program.
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 16, 128
 #: Fewest keys a decode split should hold: a split costs a ``[H, 512]`` fp32 partial output
 #: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
 #: 640 keys into 20 tiny splits would move more partial data than keys.
-MIN_SPLIT_KEYS = 128
+MIN_SPLIT_KEYS = 64
+
+
+def _hopper_class(device: torch.device) -> bool:
+    """NVIDIA SM90 / SM100 (or the interpreter, which takes the same geometry)."""
+    if device.type == "cpu":  # the interpreter (tests)
+        return True
+    nvidia = device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
+    return nvidia and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def decode_config(device: torch.device) -> Config:
     """The decode launch geometry for ``device`` (``block_h`` is then capped by the head count)."""
-    if device.type == "cpu":  # the interpreter (tests)
-        return DECODE_CONFIG
-    nvidia = device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
-    if nvidia and torch.cuda.get_device_capability(device)[0] in (9, 10):
-        return DECODE_CONFIG
-    return DECODE_CONFIG_SMALL
+    return DECODE_CONFIG if _hopper_class(device) else DECODE_CONFIG_SMALL
+
+
+def prefill_config(device: torch.device) -> Config:
+    """The prefill launch geometry for ``device``."""
+    return PREFILL_CONFIG if _hopper_class(device) else PREFILL_CONFIG_SMALL
 
 
 def _block_h(config: Config, heads: int) -> int:
@@ -517,7 +527,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
 def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     s_q, heads = q.shape[:2]
     out, max_logits, lse = ops.prefill_outputs(q, d_v)
-    config = PREFILL_CONFIG
+    config = prefill_config(q.device)
     block_h = _block_h(config, heads)
     length = topk_length if topk_length is not None else indices
     sink = attn_sink if attn_sink is not None else q

@@ -276,7 +276,10 @@ def _functional_rule(mode, op, types, args, kwargs):
     """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
     foreign = [t for t in types if not issubclass(t, (FunctionalTensor, torch._subclasses.FakeTensor))
                and t is not torch.Tensor]
-    if foreign or _export_keeps_triton_ops() or not inlines(args[0].device):
+    symbolic = not all(isinstance(n, int) for n in args[0].shape)
+    if foreign or symbolic or _export_keeps_triton_ops() or not inlines(args[0].device):
+        # A symbolic token count keeps the opaque op: a graph traced with one gave wrong cache
+        # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
         return mode.__torch_dispatch__(op, types, args, kwargs)
     kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size = args
     with mode:
