@@ -5,7 +5,6 @@ tensors), so the real adapter code runs: head/width padding, the cache view, sta
 conversion, scheduler metadata handling and provider choice.
 """
 
-import warnings
 
 import pytest
 import torch

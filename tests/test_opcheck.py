@@ -7,7 +7,7 @@ import torch
 
 import dsv4_compile as d4
 
-from helpers import filled_cache, random_indices, rope_table, sink, store_inputs
+from helpers import filled_cache, random_indices, sink, store_inputs
 
 
 def decode_samples():

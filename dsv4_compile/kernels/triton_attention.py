@@ -53,14 +53,13 @@ import contextlib
 import functools
 import math
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from .. import checks, dispatch, layout, ops
-from . import triton_store
+from . import triton_jit, triton_store
 
 DECODE = "flash_mla_with_kvcache"
 PREFILL = "flash_mla_sparse_fwd"
@@ -401,33 +400,14 @@ _JITTED = (
     "_lse2_and_inverse", "_sink_and_lse", "_store_partial", "_store_final", "_decode_kernel", "_combine",
     "_combine_kernel", "_prefill_kernel",
 )
-_JIT_LOCK = threading.Lock()
-
-
 def _triton():
-    """Import Triton and jit the functions above in place, once; ProviderUnavailable without it."""
-    global triton, tl
-    if tl is not None:
-        return triton
-    with _JIT_LOCK:
-        if tl is None:
-            try:
-                import triton as triton_module
-                import triton.language as language
-            except ImportError as exc:
-                raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
-            scope = globals()
-            for name in _CONSTEXPRS:
-                scope[name] = language.constexpr(scope[name])
-            for name in _JITTED:
-                scope[name] = triton_module.jit(scope[name])
-            triton, tl = triton_module, language
-    return triton
+    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_jit`)."""
+    return triton_jit.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
 def _interpreting() -> bool:
     """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
-    return not isinstance(_decode_kernel, triton.runtime.JITFunction)
+    return triton_jit.interpreting(_decode_kernel)
 
 
 # --------------------------------------------------------------------------------------------

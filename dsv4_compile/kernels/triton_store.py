@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from .. import checks, dispatch, layout
+from . import triton_jit
 
 OP = "fused_k_norm_rope_flashmla"
 NAME = "triton"
@@ -143,33 +143,14 @@ def _store_kernel(
 
 
 _JITTED = ("_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_store_kernel")
-_JIT_LOCK = threading.Lock()
-
-
 def _triton():
-    """Import Triton and jit the functions above in place, once; ProviderUnavailable without it."""
-    global triton, tl
-    if tl is not None:
-        return triton
-    with _JIT_LOCK:
-        if tl is None:
-            try:
-                import triton as triton_module
-                import triton.language as language
-            except ImportError as exc:
-                raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
-            scope = globals()
-            for name in _CONSTEXPRS:
-                scope[name] = language.constexpr(scope[name])
-            for name in _JITTED:
-                scope[name] = triton_module.jit(scope[name])
-            triton, tl = triton_module, language
-    return triton
+    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_jit`)."""
+    return triton_jit.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
 def _interpreting() -> bool:
     """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
-    return not isinstance(_store_kernel, triton.runtime.JITFunction)
+    return triton_jit.interpreting(_store_kernel)
 
 
 def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
