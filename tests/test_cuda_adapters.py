@@ -182,3 +182,27 @@ def test_checked_mode_rejects_bad_indices_before_the_kernel(provider):
         with pytest.raises(ValueError, match="indices"):
             on_cuda("flash_mla_with_kvcache", *args)
     assert standin.CALLS == []
+
+
+def test_sm100_unpadded_page_stride_is_served_by_the_next_provider(monkeypatch):
+    """SM100's FlashMLA reads page strides that are multiples of 576 only: an unpadded cache
+    (stride P*584, legal by contract) goes to the next provider, with one warning."""
+    standin.install(monkeypatch, "flashmla")
+    monkeypatch.setattr(flashmla, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
+    dispatch.reset()
+    try:
+        args = decode_case(64)
+        padded = on_cuda("flash_mla_with_kvcache", *args)
+        assert len(standin.CALLS) > 0
+        standin.CALLS.clear()
+        unpadded = d4.alloc_cache(4, 64, page_stride=64 * 584)
+        unpadded.copy_(args[1][:, : 64 * 584])
+        args[1] = unpadded
+        with pytest.warns(RuntimeWarning, match="multiples of 576"):
+            out, lse = on_cuda("flash_mla_with_kvcache", *args)
+        assert standin.CALLS == []  # FlashMLA was not called
+        torch.testing.assert_close(out, padded[0], atol=1e-5, rtol=1e-2)
+        torch.testing.assert_close(lse, padded[1], atol=1e-5, rtol=1e-6)
+    finally:
+        dispatch.reset()

@@ -27,11 +27,13 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from .. import checks, dispatch, layout, ops
+from . import reference
 
 DECODE_TOPK_MULTIPLE = 64
 PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
@@ -73,10 +75,18 @@ class FlashMLAKernels:
     ``torch.ops.flash_mla_legacy``). ``prefill_log2``: the namespace's prefill returns base-2
     statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``)."""
 
-    def __init__(self, namespace, prefill_log2: bool, prefill_has_stats_flags: bool):
+    def __init__(self, namespace, prefill_log2: bool, prefill_has_stats_flags: bool,
+                 device: torch.device | None = None):
         self.ns = namespace
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
+        self.device = device
+        # SM100's V4 decode reads pages with the tensor-memory accelerator: page strides must be
+        # multiples of 576 bytes (canonical page_bytes). SM90 reads any stride >= P*584.
+        self.page_stride_multiple = (
+            layout.PAGE_ALIGN if device is not None and _capability(device)[0] == 10 else 1
+        )
+        self.warned_stride_fallback = False
 
     # ---- decode ----
 
@@ -129,6 +139,12 @@ class FlashMLAKernels:
         )
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
+        strides = [k_cache.stride(0)] + ([] if extra_k_cache is None else [extra_k_cache.stride(0)])
+        if any(s % self.page_stride_multiple for s in strides):
+            return self._stride_fallback(
+                q, k_cache, page_size, indices, topk_length, attn_sink, extra_k_cache,
+                extra_page_size, extra_indices, extra_topk_length, None, None, softmax_scale, head_dim_v,
+            )
         # metadata from another provider (empty) means "compute it inside"
         if tile_scheduler_metadata is not None and tile_scheduler_metadata.numel() == 0:
             tile_scheduler_metadata = num_splits = None
@@ -160,6 +176,25 @@ class FlashMLAKernels:
             out[:, :, start:stop] = o[:, :, : stop - start]
             lse[:, start:stop] = l[:, : stop - start]
         return out, lse
+
+    def _stride_fallback(self, *args):
+        """A page stride this GPU's FlashMLA cannot read: the next provider below FlashMLA
+        (``triton``, else the reference) serves the call, with a one-time warning."""
+        name, kernel = dispatch.REFERENCE, reference.flash_mla_with_kvcache
+        try:
+            with dispatch.use_provider("triton", ops=("flash_mla_with_kvcache",)):
+                name, kernel = dispatch.resolve("flash_mla_with_kvcache", self.device)
+        except dispatch.ProviderUnavailable:
+            pass
+        if not self.warned_stride_fallback:
+            self.warned_stride_fallback = True
+            warnings.warn(
+                f"dsv4.flash_mla_with_kvcache on {self.device}: FlashMLA needs page strides that "
+                f"are multiples of {self.page_stride_multiple} bytes here (allocate caches with "
+                f"dsv4_compile.alloc_cache); provider {name!r} serves this call",
+                RuntimeWarning, stacklevel=4,
+            )
+        return kernel(*args)
 
     # ---- prefill ----
 
@@ -243,7 +278,7 @@ def _load_sgl_kernel(device: torch.device) -> dict:
         raise dispatch.ProviderUnavailable(f"sgl_kernel.flash_mla is not importable ({exc})") from None
     _require_capability(device, "sgl_kernel.flash_mla")
     ns = torch.ops.sgl_kernel
-    return FlashMLAKernels(ns, prefill_log2=True, prefill_has_stats_flags=False).kernels()
+    return FlashMLAKernels(ns, prefill_log2=True, prefill_has_stats_flags=False, device=device).kernels()
 
 
 def _load_flash_mla(device: torch.device) -> dict:
@@ -259,7 +294,7 @@ def _load_flash_mla(device: torch.device) -> dict:
         raise dispatch.ProviderUnavailable("flash_mla was built without its legacy (V4 layout) kernels")
     _require_capability(device, "flash_mla (legacy kernels)")
     ns = torch.ops.flash_mla_legacy
-    return FlashMLAKernels(ns, prefill_log2=False, prefill_has_stats_flags=True).kernels()
+    return FlashMLAKernels(ns, prefill_log2=False, prefill_has_stats_flags=True, device=device).kernels()
 
 
 def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):
