@@ -286,7 +286,10 @@ def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, *, data
     return s_q, heads
 
 
-def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
+def check_metadata(
+    q, indices, topk_length, extra_indices, extra_topk_length, *, data: bool = False
+) -> tuple[int, int, int]:
+    """(Metadata only: nothing here depends on tensor values; ``data`` is accepted for symmetry.)"""
     c = Checker("get_mla_metadata")
     c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
     batch, s_q, heads = q.shape[:3]

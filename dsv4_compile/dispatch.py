@@ -254,19 +254,25 @@ def providers(device: torch.device | str | None = None) -> dict[str, str]:
         return {op: resolve(op, device)[0] for op in OPS}
 
 
-def backend_kernel(op: str, device_type: str | None, defaults: tuple = ()) -> Callable:
-    """The kernel registered for one dispatch key: resolve the provider, then call it.
+def backend_kernel(
+    op: str, device_type: str | None, defaults: tuple = (), check: Callable | None = None
+) -> Callable:
+    """The kernel registered for one dispatch key: check the arguments, resolve the provider, call it.
 
     ``device_type`` is the key's device type (so a redispatch to the XPU key runs the XPU
     provider even with CPU tensors, as the adapter tests do); ``None`` takes it from the tensors.
     The dispatcher drops trailing arguments equal to their schema defaults; ``defaults`` (the
     schema's default values, ``None`` where an argument has none) restores them, so every provider
-    kernel receives the full positional argument list.
+    kernel receives the full positional argument list. ``check(*args, data=True)`` is the op's
+    validation (:mod:`dsv4_compile.checks`): it runs here, once, before any provider kernel, so
+    provider kernels receive validated arguments.
     """
 
     def kernel(*args):
         if len(args) < len(defaults):
             args = args + defaults[len(args):]
+        if check is not None:
+            check(*args, data=True)
         device = args[0].device  # every op's first argument is a tensor
         if device_type is not None and device.type != device_type:
             device = torch.device(device_type, device.index if device.index is not None else 0)

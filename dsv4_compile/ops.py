@@ -121,13 +121,15 @@ def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
 # --------------------------------------------------------------------------------------------
 
 
+def _schema_defaults(op_name: str) -> tuple:
+    schema = getattr(getattr(torch.ops, NAMESPACE), op_name).default._schema
+    return tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
+
+
 def _no_grad_kernel(op_name: str):
     op = getattr(getattr(torch.ops, NAMESPACE), op_name).default
-    defaults = _schema_defaults(op_name)
 
     def kernel(keyset, *args):
-        if len(args) < len(defaults):
-            args = args + defaults[len(args):]
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
@@ -140,16 +142,21 @@ def _no_grad_kernel(op_name: str):
     return kernel
 
 
-def _schema_defaults(op_name: str) -> tuple:
-    schema = getattr(getattr(torch.ops, NAMESPACE), op_name).default._schema
-    return tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
-
+#: Each op's validation, run by the kernel of every dispatch key before the provider kernel.
+CHECKS = {
+    "fused_k_norm_rope_flashmla": checks.check_store,
+    "flash_mla_with_kvcache": checks.check_decode,
+    "flash_mla_sparse_fwd": checks.check_prefill,
+    "get_mla_metadata": checks.check_metadata,
+}
 
 for _op in SCHEMAS:
     _defaults = _schema_defaults(_op)
     for _key in ("CPU", "CUDA", "XPU"):
-        _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), _defaults), _key)
-    _lib.impl(_op, dispatch.backend_kernel(_op, None, _defaults), "CompositeExplicitAutograd")
+        _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), _defaults, CHECKS[_op]), _key)
+    _lib.impl(
+        _op, dispatch.backend_kernel(_op, None, _defaults, CHECKS[_op]), "CompositeExplicitAutograd"
+    )
     _lib.impl(_op, _no_grad_kernel(_op), "Autograd", with_keyset=True)
 
 

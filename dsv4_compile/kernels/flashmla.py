@@ -96,7 +96,7 @@ class FlashMLAKernels:
             layout.HEAD_DIM, scale,
         )
 
-    def _scheduler(self, q, indices, topk_length, extra_indices, extra_topk_length):
+    def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
         """The exact scheduler FlashMLA's decode computes for these shapes and length values.
 
         FlashMLA has no standalone op for the sparse-decode scheduler, so run its decode once with
@@ -123,20 +123,12 @@ class FlashMLAKernels:
         meta[:, 7:].zero_()
         return meta, splits
 
-    def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
-        checks.check_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
-        return self._scheduler(q, indices, topk_length, extra_indices, extra_topk_length)
-
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
     ):
-        batch, s_q, heads = checks.check_decode(
-            q, k_cache, page_size, indices, topk_length, attn_sink,
-            extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-            tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
-        )
+        batch, s_q, heads = q.shape[:3]
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
         strides = [k_cache.stride(0)] + ([] if extra_k_cache is None else [extra_k_cache.stride(0)])
@@ -199,7 +191,7 @@ class FlashMLAKernels:
     # ---- prefill ----
 
     def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-        s_q, heads = checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
+        s_q, heads = q.shape[:2]
         if s_q == 0 or kv.shape[0] == 0:  # nothing to attend; FlashMLA refuses empty launches
             out, max_logits, lse = ops.prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
@@ -241,7 +233,7 @@ class FlashMLAKernels:
 
 def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_length, meta, splits):
     """Checked mode: hoisted metadata must equal the scheduler for the current length values."""
-    fresh_meta, fresh_splits = kernels._scheduler(q, indices, topk_length, extra_indices, extra_topk_length)
+    fresh_meta, fresh_splits = kernels.get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
     if not (torch.equal(fresh_meta, meta) and torch.equal(fresh_splits, splits)):
         raise ValueError(
             "dsv4.flash_mla_with_kvcache: tile_scheduler_metadata/num_splits must be computed by "

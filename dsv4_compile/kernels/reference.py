@@ -4,8 +4,9 @@ They serve CPU tensors, and any device no other provider serves. They are writte
 exactness first (fp32 math, the formulas of DESIGN.md §2), vectorised over tokens, and chunked
 over query rows so memory stays bounded (:data:`CHUNK_BYTES`).
 
-Data checks (slots in range, lengths <= widths) always run on CPU, since reading values there is
-free, and on other devices in checked mode only.
+Arguments arrive validated: the op's kernel runs its checks (``ops.CHECKS``) before any provider,
+data checks included (slots in range, lengths <= widths) — always on CPU, where reading values is
+free, and in checked mode elsewhere.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ def quantize_token_records(
 
 
 def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=True)
     keep = out_loc >= 0  # negative slots are not written
     kv, positions, out_loc = kv[keep], positions[keep], out_loc[keep].long()
     if out_loc.numel() == 0:
@@ -121,13 +121,10 @@ def _rows_per_chunk(keys_per_row: int, heads: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _cache_keys(cache, page_size, indices, topk_length):
-    """Dequantized keys ``[n, K, 512]`` fp32 and validity ``[n, K]`` for index rows ``[n, K]``."""
-    valid = indices >= 0
-    if topk_length is not None:
-        valid &= torch.arange(indices.shape[-1], device=indices.device) < topk_length[:, None]
-    keys = layout.gather_dequant(cache, page_size, torch.where(valid, indices, 0), torch.float32)
-    return keys, valid
+def _counted(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """Entries that count: ``j < topk_length`` of their batch row, and not a ``-1`` hole."""
+    mask = checks.counted_mask(indices, lengths)
+    return indices >= 0 if mask is None else (indices >= 0) & mask
 
 
 def flash_mla_with_kvcache(
@@ -135,32 +132,26 @@ def flash_mla_with_kvcache(
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
 ):
-    batch, s_q, heads = checks.check_decode(
-        q, k_cache, page_size, indices, topk_length, attn_sink,
-        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
-    )
+    batch, s_q, heads = q.shape[:3]
     rows = batch * s_q
-    q_rows = q.reshape(rows, heads, layout.HEAD_DIM)
-    idx = indices.reshape(rows, -1)
-    extra_idx = None if extra_k_cache is None else extra_indices.reshape(rows, -1)
-    lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
-    extra_lengths = None if extra_topk_length is None else extra_topk_length.repeat_interleave(s_q)
+    # (cache, page size, slots [rows, K], counted [rows, K]) per cache: the main one, the extra one
+    caches = [(k_cache, page_size, indices, topk_length)]
+    if extra_k_cache is not None:
+        caches.append((extra_k_cache, extra_page_size, extra_indices, extra_topk_length))
+    caches = [(c, p, i.reshape(rows, -1), _counted(i, n).reshape(rows, -1)) for c, p, i, n in caches]
 
-    width = idx.shape[1] + (0 if extra_idx is None else extra_idx.shape[1])
-    step = _rows_per_chunk(width, heads)
+    step = _rows_per_chunk(sum(i.shape[1] for _, _, i, _ in caches), heads)
     out, lse = ops.decode_outputs(q, head_dim_v)  # [B, s_q, H, dv], [B, H, s_q]
+    q_rows = q.reshape(rows, heads, layout.HEAD_DIM)
     out_rows, lse_rows = out.view(rows, heads, head_dim_v), lse.transpose(1, 2).view(rows, heads)
     for start in range(0, rows, step):
         sl = slice(start, start + step)
-        keys, valid = _cache_keys(k_cache, page_size, idx[sl], None if lengths is None else lengths[sl])
-        if extra_idx is not None:
-            ek, ev = _cache_keys(
-                extra_k_cache, extra_page_size, extra_idx[sl],
-                None if extra_lengths is None else extra_lengths[sl],
-            )
-            keys, valid = torch.cat([keys, ek], 1), torch.cat([valid, ev], 1)
-        o, _, l = sparse_attention(q_rows[sl], keys, valid, softmax_scale, attn_sink)
+        keys = [
+            layout.gather_dequant(c, p, torch.where(v[sl], i[sl], 0), torch.float32)
+            for c, p, i, v in caches
+        ]
+        valid = torch.cat([v[sl] for _, _, _, v in caches], 1)
+        o, _, l = sparse_attention(q_rows[sl], torch.cat(keys, 1), valid, softmax_scale, attn_sink)
         out_rows[sl] = o[..., :head_dim_v].to(out.dtype)
         lse_rows[sl] = l
     return out, lse
@@ -168,7 +159,6 @@ def flash_mla_with_kvcache(
 
 def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
     """No scheduler here: two empty int32 tensors, which the decode ignores."""
-    checks.check_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
     empty = torch.empty(0, dtype=torch.int32, device=q.device)
     return empty, empty.clone()
 
@@ -179,12 +169,10 @@ def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    s_q, heads = checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
+    s_q, heads = q.shape[:2]
     idx = indices[:, 0, :]  # [s_q, K]; one KV head
     s_kv = kv.shape[0]
-    valid = (idx >= 0) & (idx < s_kv)  # out-of-range indices are holes here
-    if topk_length is not None:
-        valid &= torch.arange(idx.shape[1], device=idx.device) < topk_length[:, None]
+    valid = _counted(idx, topk_length) & (idx < s_kv)  # negative or >= s_kv: holes here
     safe = torch.where(valid, idx, 0).long()
     kv_rows = kv[:, 0, :]
 

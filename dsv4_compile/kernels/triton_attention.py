@@ -541,14 +541,9 @@ def flash_mla_with_kvcache(
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
 ):
-    """``dsv4::flash_mla_with_kvcache`` (DESIGN §2.3); scheduler metadata is ignored. No host sync
-    outside checked mode: capture-safe."""
+    """``dsv4::flash_mla_with_kvcache`` (DESIGN §2.3) on validated arguments; scheduler metadata
+    is ignored. No host sync: capture-safe."""
     _triton()
-    checks.check_decode(
-        q, k_cache, page_size, indices, topk_length, attn_sink,
-        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
-    )
     with _device_guard(q.device):
         return _decode(_eager, q, k_cache, page_size, indices, topk_length, attn_sink,
                        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -556,10 +551,9 @@ def flash_mla_with_kvcache(
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    """``dsv4::flash_mla_sparse_fwd`` (DESIGN §2.4): ``(out, max_logits, lse)``, natural log. No
-    host sync outside checked mode: capture-safe."""
+    """``dsv4::flash_mla_sparse_fwd`` (DESIGN §2.4) on validated arguments: ``(out, max_logits,
+    lse)``, natural log. No host sync: capture-safe."""
     _triton()
-    checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
     with _device_guard(q.device):
         return _prefill(_eager, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 

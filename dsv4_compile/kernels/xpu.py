@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import checks, dispatch, layout, ops
+from .. import dispatch, layout, ops
 from . import reference
 
 NAME = "sgl_kernel_xpu"
@@ -130,7 +130,6 @@ class _Adapters:
         self.warned_store_fallback = False
 
     def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-        checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=True)
         if not _is_power_of_two(page_size):
             store = self._store_fallback(page_size)
             return store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
@@ -174,11 +173,7 @@ class _Adapters:
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
     ):
-        batch, s_q, heads = checks.check_decode(
-            q, k_cache, page_size, indices, topk_length, attn_sink,
-            extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-            tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=True,
-        )
+        batch, s_q, heads = q.shape[:3]
         rows = batch * s_q
         width = indices.shape[-1] + (0 if extra_k_cache is None else extra_indices.shape[-1])
         if rows == 0 or width == 0:  # every row is empty: out = 0, lse = +inf
@@ -215,7 +210,7 @@ class _Adapters:
         return out, lse
 
     def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-        s_q, heads = checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=True)
+        s_q, heads = q.shape[:2]
         if s_q == 0 or indices.shape[-1] == 0 or kv.shape[0] == 0:  # nothing to attend
             out, max_logits, lse = ops.prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
