@@ -239,6 +239,34 @@ def _resolve(op: str, device: torch.device) -> tuple[Provider, Callable]:
     return result
 
 
+def delegate(op: str, device: torch.device, below: str, reason: str) -> Callable:
+    """The kernel of the best provider ranked below provider ``below`` that serves ``op`` on
+    ``device``: for a provider that can serve the device but not one particular call (a page size,
+    a page stride). Warns once per ``(op, device, below)`` with ``reason``. The reference serves
+    when nothing else does."""
+    candidates = _candidates(device.type, op)
+    names = [p.name for p in candidates]
+    start = names.index(below) + 1 if below in names else 0
+    for provider in candidates[start:]:
+        try:
+            kernels = _load(provider, device)
+        except ProviderUnavailable:
+            continue
+        if op in kernels:
+            break
+    else:  # the reference provider serves every op; reaching this is a bug
+        raise ProviderUnavailable(f"no provider below {below!r} serves dsv4.{op} on {device}")
+    key = ("delegate", op, str(device), below)
+    if key not in _registry.warned:
+        _registry.warned.add(key)
+        warnings.warn(
+            f"dsv4.{op} on {device}: {reason}; provider {provider.name!r} serves it instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return kernels[op]
+
+
 def providers(device: torch.device | str | None = None) -> dict[str, str]:
     """Which provider serves each op on ``device`` (default: CUDA if present, else CPU).
 

@@ -23,7 +23,7 @@ import torch
 import dsv4_compile  # noqa: F401  (registers the ops)
 import sgl_kernel_xpu_standin
 from dsv4_compile import dispatch, layout, ops, tolerances
-from dsv4_compile.kernels import reference
+from dsv4_compile.kernels import reference, triton_store
 from dsv4_compile.kernels import xpu as xpu_kernels
 
 XPU_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.XPU)
@@ -60,7 +60,7 @@ def registry():
     """The provider registry without any Triton provider for XPU; restored after the test."""
     saved = list(dispatch._registry.providers)
     dispatch._registry.providers[:] = [
-        p for p in saved if (p.name, p.device_type) != (xpu_kernels.TRITON, "xpu")
+        p for p in saved if (p.name, p.device_type) != (triton_store.NAME, "xpu")
     ]
     dispatch.reset()
     yield dispatch._registry
@@ -403,12 +403,12 @@ def test_store_with_a_page_size_not_a_power_of_two_uses_the_reference_and_warns_
 def test_store_with_a_page_size_not_a_power_of_two_prefers_a_triton_provider(standin, registry):
     served = []
 
-    def triton_store(*args):
+    def store_by_triton(*args):
         served.append(args[-1])
         reference.fused_k_norm_rope_flashmla(*args)
 
     dispatch.register_provider(dispatch.Provider(
-        name=xpu_kernels.TRITON, device_type="xpu", load=lambda device: {xpu_kernels.STORE: triton_store},
+        name=triton_store.NAME, device_type="xpu", load=lambda device: {xpu_kernels.STORE: store_by_triton},
     ))
     with pytest.warns(RuntimeWarning, match="provider 'triton' serves it"):
         for page_size in (61, 64):
@@ -422,7 +422,7 @@ def test_store_fallback_skips_an_unavailable_triton_provider(standin, registry):
         raise dispatch.ProviderUnavailable("triton is not installed")
 
     dispatch.register_provider(
-        dispatch.Provider(name=xpu_kernels.TRITON, device_type="xpu", load=unavailable)
+        dispatch.Provider(name=triton_store.NAME, device_type="xpu", load=unavailable)
     )
     args = store_args(61, torch.int32)
     expected = args[5].clone()

@@ -27,13 +27,11 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from .. import checks, dispatch, layout, ops
-from . import reference
 
 DECODE_TOPK_MULTIPLE = 64
 PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
@@ -75,8 +73,9 @@ class FlashMLAKernels:
     ``torch.ops.flash_mla_legacy``). ``prefill_log2``: the namespace's prefill returns base-2
     statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``)."""
 
-    def __init__(self, namespace, prefill_log2: bool, prefill_has_stats_flags: bool,
-                 device: torch.device | None = None):
+    def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
+                 prefill_has_stats_flags: bool):
+        self.name = name  # the provider's
         self.ns = namespace
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
@@ -84,9 +83,8 @@ class FlashMLAKernels:
         # SM100's V4 decode reads pages with the tensor-memory accelerator: page strides must be
         # multiples of 576 bytes (canonical page_bytes). SM90 reads any stride >= P*584.
         self.page_stride_multiple = (
-            layout.PAGE_ALIGN if device is not None and _capability(device)[0] == 10 else 1
+            layout.PAGE_ALIGN if _capability(device)[0] == 10 else 1
         )
-        self.warned_stride_fallback = False
 
     # ---- decode ----
 
@@ -132,8 +130,13 @@ class FlashMLAKernels:
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
         strides = [k_cache.stride(0)] + ([] if extra_k_cache is None else [extra_k_cache.stride(0)])
-        if any(s % self.page_stride_multiple for s in strides):
-            return self._stride_fallback(
+        if any(s % self.page_stride_multiple for s in strides):  # the next provider serves it
+            kernel = dispatch.delegate(
+                "flash_mla_with_kvcache", self.device, self.name,
+                f"FlashMLA needs page strides that are multiples of {self.page_stride_multiple} "
+                f"bytes here (allocate caches with dsv4_compile.alloc_cache)",
+            )
+            return kernel(
                 q, k_cache, page_size, indices, topk_length, attn_sink, extra_k_cache,
                 extra_page_size, extra_indices, extra_topk_length, None, None, softmax_scale, head_dim_v,
             )
@@ -168,25 +171,6 @@ class FlashMLAKernels:
             out[:, :, start:stop] = o[:, :, : stop - start]
             lse[:, start:stop] = l[:, : stop - start]
         return out, lse
-
-    def _stride_fallback(self, *args):
-        """A page stride this GPU's FlashMLA cannot read: the next provider below FlashMLA
-        (``triton``, else the reference) serves the call, with a one-time warning."""
-        name, kernel = dispatch.REFERENCE, reference.flash_mla_with_kvcache
-        try:
-            with dispatch.use_provider("triton", ops=("flash_mla_with_kvcache",)):
-                name, kernel = dispatch.resolve("flash_mla_with_kvcache", self.device)
-        except dispatch.ProviderUnavailable:
-            pass
-        if not self.warned_stride_fallback:
-            self.warned_stride_fallback = True
-            warnings.warn(
-                f"dsv4.flash_mla_with_kvcache on {self.device}: FlashMLA needs page strides that "
-                f"are multiples of {self.page_stride_multiple} bytes here (allocate caches with "
-                f"dsv4_compile.alloc_cache); provider {name!r} serves this call",
-                RuntimeWarning, stacklevel=4,
-            )
-        return kernel(*args)
 
     # ---- prefill ----
 
@@ -270,7 +254,7 @@ def _load_sgl_kernel(device: torch.device) -> dict:
         raise dispatch.ProviderUnavailable(f"sgl_kernel.flash_mla is not importable ({exc})") from None
     _require_capability(device, "sgl_kernel.flash_mla")
     ns = torch.ops.sgl_kernel
-    return FlashMLAKernels(ns, prefill_log2=True, prefill_has_stats_flags=False, device=device).kernels()
+    return FlashMLAKernels("sgl_kernel", ns, device, prefill_log2=True, prefill_has_stats_flags=False).kernels()
 
 
 def _load_flash_mla(device: torch.device) -> dict:
@@ -286,7 +270,7 @@ def _load_flash_mla(device: torch.device) -> dict:
         raise dispatch.ProviderUnavailable("flash_mla was built without its legacy (V4 layout) kernels")
     _require_capability(device, "flash_mla (legacy kernels)")
     ns = torch.ops.flash_mla_legacy
-    return FlashMLAKernels(ns, prefill_log2=False, prefill_has_stats_flags=True, device=device).kernels()
+    return FlashMLAKernels("flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True).kernels()
 
 
 def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):

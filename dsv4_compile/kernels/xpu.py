@@ -26,7 +26,6 @@ imports no XPU library.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
@@ -39,7 +38,6 @@ NAME = "sgl_kernel_xpu"
 DEVICE_TYPE = "xpu"
 PRIORITY = 100
 HEAD_GROUP = 8  # the XPU attention kernels process heads in groups of 8
-TRITON = "triton"  # provider that serves the store when the page size is not a power of two
 STORE = "fused_k_norm_rope_flashmla"
 INSTALL_HINT = (
     "build it from source (https://github.com/sgl-project/sgl-kernel-xpu: with the Intel GPU "
@@ -127,11 +125,13 @@ class _Adapters:
     def __init__(self, lib, device: torch.device):
         self.lib = lib
         self.device = device
-        self.warned_store_fallback = False
 
     def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-        if not _is_power_of_two(page_size):
-            store = self._store_fallback(page_size)
+        if not _is_power_of_two(page_size):  # the next provider (Triton, else the reference)
+            store = dispatch.delegate(
+                STORE, self.device, NAME,
+                f"sgl-kernel-xpu's store needs a power-of-two page_size, got {page_size}",
+            )
             return store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
         if out_loc.dtype != torch.int32:
             out_loc = out_loc.clamp_min(-1).to(torch.int32)  # any negative slot is a skip: -1
@@ -146,27 +146,6 @@ class _Adapters:
             page_size=page_size,
         )
 
-    def _store_fallback(self, page_size: int) -> Callable:
-        """The store for page sizes sgl-kernel-xpu refuses: Triton if it serves XPU, else the reference.
-
-        Warns once (per device, until ``dispatch.reset()``) which provider serves instead.
-        """
-        name, store = dispatch.REFERENCE, reference.fused_k_norm_rope_flashmla
-        if TRITON in dispatch.registered_providers(self.device.type):
-            try:
-                with dispatch.use_provider(TRITON, ops=(STORE,)):
-                    name, store = dispatch.resolve(STORE, self.device)
-            except dispatch.ProviderUnavailable:
-                pass
-        if not self.warned_store_fallback:
-            self.warned_store_fallback = True
-            warnings.warn(
-                f"dsv4.{STORE} on {self.device}: sgl-kernel-xpu's store needs a power-of-two "
-                f"page_size, got {page_size}; provider {name!r} serves it instead",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return store
 
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
