@@ -62,7 +62,7 @@ if INTERPRETED:
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout, ops  # noqa: E402
-from dsv4_compile.kernels import reference, triton_attention as ta, triton_store  # noqa: E402
+from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
 from helpers import store_inputs  # noqa: E402
 
@@ -381,10 +381,10 @@ def test_ops_dispatch_to_the_triton_kernels():
 def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
     with pytest.raises(dispatch.ProviderUnavailable, match="device type 'cpu'"):
         ta.load(torch.device("cpu"))
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: False)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: False)
     with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
         ta.load(torch.device("cuda", 0))
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: True)
     assert set(ta.load(torch.device("cuda", 0))) == set(ta.OPS)
     assert ta.load(torch.device("cuda", 0))[ta.DECODE] is ta.flash_mla_with_kvcache
 
@@ -481,7 +481,7 @@ def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launche
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Target())  # TTIR mutation analysis
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: True)
     monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
     with FakeTensorMode(), torch.device("cuda"):
         q = torch.empty(rows, 1, 64, 512, dtype=torch.bfloat16)

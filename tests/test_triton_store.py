@@ -34,7 +34,7 @@ tl = triton.language
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
-from dsv4_compile.kernels import reference, triton_store  # noqa: E402
+from dsv4_compile.kernels import reference, triton_common, triton_store  # noqa: E402
 from dsv4_compile.tolerances import STORE_FP8_STEP  # noqa: E402
 from helpers import store_inputs  # noqa: E402
 
@@ -406,7 +406,7 @@ def test_functionalization_traces_the_triton_launch(monkeypatch, request):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Target())  # TTIR mutation analysis
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: True)
     dispatch.reset()  # forget a "no cuda device" resolution
     request.addfinalizer(dispatch.reset)
     args = _fake_cuda_case(FakeTensorMode())
@@ -525,10 +525,10 @@ def test_opcheck_on_cuda():
 def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
     with pytest.raises(dispatch.ProviderUnavailable, match="device type 'cpu'"):
         triton_store.load(torch.device("cpu"))
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: False)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: False)
     with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
         triton_store.load(torch.device("cuda", 0))
-    monkeypatch.setattr(triton_store, "_device_available", lambda device: True)
+    monkeypatch.setattr(triton_common, "device_available", lambda device: True)
     assert set(triton_store.load(torch.device("cuda", 0))) == {triton_store.OP}
     assert all("triton" in dispatch.registered_providers(t) for t in ("cuda", "xpu"))
 

@@ -6,6 +6,7 @@
 * :mod:`.triton_store` — our Triton cache store (``fused_k_norm_rope_flashmla``) on CUDA and XPU.
 * :mod:`.triton_attention` — portable Triton sparse decode and prefill (the ``triton`` provider
   with the store): GPUs FlashMLA does not serve, XPU without sgl-kernel-xpu.
+* :mod:`.triton_common` — what the Triton modules share: lazy jit, availability, inlining rules.
 
 Registering a provider imports no device library: each provider loads lazily, at first use.
 """

@@ -49,22 +49,19 @@ for the store) when this module's kernel serves the op on the device at compile 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from .. import checks, dispatch, layout, ops
-from . import triton_jit, triton_store
+from . import triton_common
 
 DECODE = "flash_mla_with_kvcache"
 PREFILL = "flash_mla_sparse_fwd"
 OPS = (DECODE, PREFILL)
-DEVICE_TYPES = triton_store.DEVICE_TYPES
 LOG2E = math.log2(math.e)
 #: Most splits of one row's keys in decode (bounds the workspace and the combine loop).
 MAX_SPLITS = 32
@@ -401,13 +398,8 @@ _JITTED = (
     "_combine_kernel", "_prefill_kernel",
 )
 def _triton():
-    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_jit`)."""
-    return triton_jit.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
-
-
-def _interpreting() -> bool:
-    """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
-    return triton_jit.interpreting(_decode_kernel)
+    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
+    return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +416,7 @@ def _parallelism(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _units(device_type: str, index: int | None) -> int:
     module = getattr(torch, device_type, None)
-    if device_type in DEVICE_TYPES and module is not None and module.is_available():
+    if device_type in triton_common.DEVICE_TYPES and module is not None and module.is_available():
         props = module.get_device_properties(index if index is not None else module.current_device())
         for name in ("multi_processor_count", "gpu_subslice_count"):
             if getattr(props, name, 0):
@@ -521,12 +513,6 @@ def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     return out, max_logits, lse
 
 
-def _device_guard(device: torch.device):
-    if device.type == "cpu":  # CPU tensors: TRITON_INTERPRET=1 only
-        return contextlib.nullcontext()
-    return torch.get_device_module(device).device(device)
-
-
 def _eager(kernel):
     return kernel
 
@@ -544,7 +530,7 @@ def flash_mla_with_kvcache(
     """``dsv4::flash_mla_with_kvcache`` (DESIGN §2.3) on validated arguments; scheduler metadata
     is ignored. No host sync: capture-safe."""
     _triton()
-    with _device_guard(q.device):
+    with triton_common.device_guard(q.device):
         return _decode(_eager, q, k_cache, page_size, indices, topk_length, attn_sink,
                        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
                        softmax_scale, head_dim_v)
@@ -554,7 +540,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     """``dsv4::flash_mla_sparse_fwd`` (DESIGN §2.4) on validated arguments: ``(out, max_logits,
     lse)``, natural log. No host sync: capture-safe."""
     _triton()
-    with _device_guard(q.device):
+    with triton_common.device_guard(q.device):
         return _prefill(_eager, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
 
@@ -565,17 +551,7 @@ def load(device: torch.device) -> dict:
     """Provider loader: ``{op: kernel}`` for decode and prefill, or
     :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
     backend for the device type, no such device)."""
-    if device.type not in DEVICE_TYPES:
-        raise dispatch.ProviderUnavailable(f"no Triton attention for device type {device.type!r}")
-    found = _triton().backends.backends
-    if not _interpreting():
-        wanted = triton_store._BACKENDS[device.type]
-        if not any(b in found for b in wanted):
-            raise dispatch.ProviderUnavailable(
-                f"triton has no backend for {device.type} (wants one of {wanted}, has {sorted(found)})"
-            )
-        if not triton_store._device_available(device):
-            raise dispatch.ProviderUnavailable(f"no {device.type} device is available")
+    triton_common.require_device(_triton(), _decode_kernel, device, "attention")
     return dict(KERNELS)
 
 
@@ -588,30 +564,26 @@ def inlines(op: str, device: torch.device) -> bool:
     """Whether ``torch.compile`` traces ``op`` on ``device`` into visible Triton launches.
 
     True when, at compile time, the provider that serves ``op`` on ``device`` (under the current
-    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, checked mode is off,
-    Triton is compiled (not interpreted) and ``DSV4_COMPILE_TRITON_INLINE`` is not ``0``. The graph
-    then launches the kernels itself: an override set *after* compiling does not reach it.
-    Otherwise the op stays one opaque node that resolves its provider when it runs.
+    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, compiled (not
+    interpreted), and :func:`.triton_common.inlining_allowed`. The graph then launches the kernels
+    itself: an override set *after* compiling does not reach it. Otherwise the op stays one opaque
+    node that resolves its provider when it runs.
     """
-    if device.type not in DEVICE_TYPES or os.environ.get(triton_store.INLINE_ENV, "1") == "0":
-        return False
-    if checks.checked_mode():
+    if not triton_common.inlining_allowed(device):
         return False
     try:
         if dispatch.resolve(op, device)[1] is not KERNELS[op]:
             return False
     except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False
-    return not _interpreting()  # interpreted kernels cannot be traced
+    return not triton_common.interpreting(_decode_kernel)  # interpreted kernels cannot be traced
 
 
 def _functional_rule(op: str, launch, check):
     defaults = ops._schema_defaults(op)
 
     def rule(mode, op_overload, types, args, kwargs):
-        foreign = [t for t in types if not issubclass(t, (FunctionalTensor, torch._subclasses.FakeTensor))
-                   and t is not torch.Tensor]
-        if foreign or triton_store._export_keeps_triton_ops() or not inlines(op, args[0].device):
+        if not triton_common.may_trace(types) or not inlines(op, args[0].device):
             return mode.__torch_dispatch__(op_overload, types, args, kwargs)
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
         with mode:
@@ -631,30 +603,7 @@ for _op, _launch, _check in ((DECODE, _decode_traced, checks.check_decode),
     torch.library.register_torch_dispatch(
         f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _launch, _check), lib=_lib
     )
-
-
-class _KernelsForCacheKey:
-    """AOTAutograd's cache keys a graph by the source of the Triton kernels its ops may inline
-    (``torch._library.triton.triton_ops_to_kernels``): this entry yields the op's kernels when a
-    compile now would inline them on the current device of a device type present (:func:`inlines`,
-    so the provider override and checked mode are part of the key), and nothing otherwise; so an
-    inlined graph is never served from the cache to a compile that would not inline, and editing a
-    kernel invalidates cached graphs. Jits the kernels when first iterated, not at import."""
-
-    def __init__(self, op: str, names: tuple[str, ...]):
-        self.op, self.names = op, names
-
-    def __iter__(self):
-        for device_type in DEVICE_TYPES:
-            module = getattr(torch, device_type, None)
-            if module is None or not module.is_available():
-                continue
-            if inlines(self.op, torch.device(device_type, module.current_device())):
-                return iter([globals()[name] for name in self.names])
-        return iter(())
-
-
-_kernels_by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)  # torch-internal
-if isinstance(_kernels_by_op, dict):
-    _kernels_by_op[f"dsv4::{DECODE}"] = _KernelsForCacheKey(DECODE, ("_decode_kernel", "_combine_kernel"))
-    _kernels_by_op[f"dsv4::{PREFILL}"] = _KernelsForCacheKey(PREFILL, ("_prefill_kernel",))
+for _op, _names in ((DECODE, ("_decode_kernel", "_combine_kernel")), (PREFILL, ("_prefill_kernel",))):
+    triton_common.register_cache_key(
+        _op, triton_common.InlinedKernels(functools.partial(inlines, _op), _names, globals())
+    )

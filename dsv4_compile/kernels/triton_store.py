@@ -27,26 +27,18 @@ provider is then bound into the compiled graph (see :func:`inlines`).
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from .. import checks, dispatch, layout
-from . import triton_jit
+from . import triton_common
 
 OP = "fused_k_norm_rope_flashmla"
 NAME = "triton"
-DEVICE_TYPES = ("cuda", "xpu")
 PRIORITY = 0  # above the reference; below library providers of the store (sgl-kernel-xpu: 100)
-#: Triton backends that serve each device type.
-_BACKENDS = {"cuda": ("nvidia", "amd"), "xpu": ("intel",)}
 #: Launch geometry: tokens per program (a power of two) and warps per program.
 BLOCK_T = 4
 NUM_WARPS = 4
-#: ``DSV4_COMPILE_TRITON_INLINE=0`` keeps the op opaque under ``torch.compile`` (read at compile time).
-INLINE_ENV = "DSV4_COMPILE_TRITON_INLINE"
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,13 +136,8 @@ def _store_kernel(
 
 _JITTED = ("_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_store_kernel")
 def _triton():
-    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_jit`)."""
-    return triton_jit.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
-
-
-def _interpreting() -> bool:
-    """Whether the kernels were jitted under ``TRITON_INTERPRET=1`` (they then run CPU tensors)."""
-    return triton_jit.interpreting(_store_kernel)
+    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
+    return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
 def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
@@ -169,35 +156,13 @@ def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page
 def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
     """The provider kernel (eager) on validated arguments: one launch, no host sync."""
     _triton()
-    device = kv.device
-    guard = (
-        contextlib.nullcontext() if device.type == "cpu"  # CPU tensors: TRITON_INTERPRET=1 only
-        else torch.get_device_module(device).device(device)
-    )
-    with guard:
+    with triton_common.device_guard(kv.device):
         _launch(_store_kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
 
 
-def _device_available(device: torch.device) -> bool:
-    return torch.get_device_module(device.type).is_available()
-
-
 def load(device: torch.device) -> dict:
-    """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why.
-
-    Under ``TRITON_INTERPRET=1`` it serves CPU tensors redispatched to the CUDA/XPU keys (tests).
-    """
-    if device.type not in DEVICE_TYPES:
-        raise dispatch.ProviderUnavailable(f"no Triton store for device type {device.type!r}")
-    found = _triton().backends.backends
-    if not _interpreting():
-        if not any(b in found for b in _BACKENDS[device.type]):
-            raise dispatch.ProviderUnavailable(
-                f"triton has no backend for {device.type} (wants one of {_BACKENDS[device.type]}, "
-                f"has {sorted(found)})"
-            )
-        if not _device_available(device):
-            raise dispatch.ProviderUnavailable(f"no {device.type} device is available")
+    """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
+    triton_common.require_device(_triton(), _store_kernel, device, "store")
     return {OP: fused_k_norm_rope_flashmla}
 
 
@@ -212,7 +177,7 @@ def register() -> None:
     """Register the provider for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     from . import triton_attention
 
-    for device_type in DEVICE_TYPES:
+    for device_type in triton_common.DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
             name=NAME, device_type=device_type, load=_load_provider, priority=PRIORITY,
             ops=(OP, *triton_attention.OPS), fallback=True,
@@ -227,71 +192,38 @@ def register() -> None:
 def inlines(device: torch.device) -> bool:
     """Whether ``torch.compile`` traces the op on ``device`` into a visible Triton launch.
 
-    True when, at compile time, the ``triton`` provider serves the op on ``device`` (under the
-    current :func:`~dsv4_compile.use_provider` override), checked mode is off, the kernel is
-    compiled (not ``TRITON_INTERPRET``) and ``DSV4_COMPILE_TRITON_INLINE`` is not ``0``. The graph
-    then launches the kernel directly: a provider override or checked mode set *after* compiling
-    does not reach it (recompile, e.g. after ``torch._dynamo.reset()``). The compile caches' key
-    includes whether inlining was possible (:class:`_KernelsForCacheKey`), so a cached inlined graph
+    True when, at compile time, the provider serving the op on ``device`` (under the current
+    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, compiled (not
+    ``TRITON_INTERPRET``), and :func:`.triton_common.inlining_allowed`. The graph then launches the
+    kernel directly: a provider override or checked mode set *after* compiling does not reach it
+    (recompile, e.g. after ``torch._dynamo.reset()``). The compile caches' key includes whether
+    inlining is possible now (:func:`.triton_common.register_cache_key`), so a cached inlined graph
     is not reused by a compile made under an override. Otherwise the op stays an opaque call that
     resolves its provider when it runs.
     """
-    if device.type not in DEVICE_TYPES or os.environ.get(INLINE_ENV, "1") == "0":
+    if not triton_common.inlining_allowed(device):
         return False
-    if checks.checked_mode() or dispatch.resolve(OP, device)[0] != NAME:
-        return False
-    return not _interpreting()  # interpreted kernels cannot be traced
-
-
-def _export_keeps_triton_ops() -> bool:
-    """Whether ``torch.export`` asked to keep Triton-backed ops whole (as it does for triton_op)."""
     try:
-        from torch.export._trace import custom_triton_ops_decomposition_disabled
-    except ImportError:
+        if dispatch.resolve(OP, device)[1] is not fused_k_norm_rope_flashmla:
+            return False
+    except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False
-    return custom_triton_ops_decomposition_disabled()
+    return not triton_common.interpreting(_store_kernel)  # interpreted kernels cannot be traced
 
 
 def _functional_rule(mode, op, types, args, kwargs):
     """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
-    foreign = [t for t in types if not issubclass(t, (FunctionalTensor, torch._subclasses.FakeTensor))
-               and t is not torch.Tensor]
     symbolic = not all(isinstance(n, int) for n in args[0].shape)
-    if foreign or symbolic or _export_keeps_triton_ops() or not inlines(args[0].device):
+    if symbolic or not triton_common.may_trace(types) or not inlines(args[0].device):
         # A symbolic token count keeps the opaque op: a graph traced with one gave wrong cache
         # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
         return mode.__torch_dispatch__(op, types, args, kwargs)
-    kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size = args
     with mode:
-        checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=False)
+        checks.check_store(*args, data=False)
         _launch(torch.library.wrap_triton(_store_kernel), *args)
     return None
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
 torch.library.register_torch_dispatch(f"dsv4::{OP}", FunctionalTensorMode, _functional_rule, lib=_lib)
-
-
-class _KernelsForCacheKey:
-    """AOTAutograd's cache keys a graph by the source of the Triton kernels its ops may inline
-    (``torch._library.triton.triton_ops_to_kernels``), so that editing the kernel invalidates cached
-    graphs; this entry yields ``_store_kernel`` when iterated, jitting it then, not at import."""
-
-    def __iter__(self):
-        # Yield nothing when no compile could inline the kernel now (another provider forced,
-        # checked mode, inlining switched off): the cache key then differs from an inlining
-        # compile's, so a cached inlined graph is not served to such a run.
-        forced = (dispatch.forced_providers() or {}).get(OP)
-        if (forced not in (None, NAME) or checks.checked_mode()
-                or os.environ.get(INLINE_ENV, "1") == "0"):
-            return iter(())
-        try:
-            _triton()
-        except dispatch.ProviderUnavailable:
-            return iter(())
-        return iter(() if _interpreting() else (_store_kernel,))
-
-
-_kernels_by_op = getattr(torch._library.triton, "triton_ops_to_kernels", None)  # torch-internal
-if isinstance(_kernels_by_op, dict):
-    _kernels_by_op[f"dsv4::{OP}"] = _KernelsForCacheKey()
+triton_common.register_cache_key(OP, triton_common.InlinedKernels(inlines, ("_store_kernel",), globals()))
