@@ -49,3 +49,39 @@ def sink(kind: str, heads: int) -> torch.Tensor | None:
         return torch.randn(heads)
     value = {"+inf": math.inf, "-inf": -math.inf}[kind]
     return torch.full((heads,), value)
+
+
+def report(config, line: str) -> None:
+    """Write ``line`` to the terminal past pytest's output capture."""
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        reporter.write("\n")
+        reporter.write_line(line)
+
+
+def run_interpreted_child(config, test_file: str, echo: tuple[str, ...] = ()) -> None:
+    """Run ``test_file``'s CPU tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton reads it
+    when kernels are jitted, which this process may have done already). Fails unless the child
+    passes and ran at least one test; echoes its summary and the lines starting with ``echo``."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process is interpreted already: the interpreted tests run here")
+    test_file = os.path.abspath(test_file)
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+         "-k", "not test_interpreted_suite", test_file],
+        cwd=os.path.dirname(os.path.dirname(test_file)), env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", child.stdout)
+    assert passed and int(passed[1]) > 0, "the interpreted child ran no test:\n" + child.stdout[-3000:]
+    for line in child.stdout.splitlines():
+        if line.startswith(echo) or passed[0] in line:
+            report(config, f"TRITON_INTERPRET=1 child: {line}")

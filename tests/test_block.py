@@ -110,7 +110,9 @@ def assert_same_state(got: DeepseekV4Attention, want: DeepseekV4Attention, exact
     """Caches, compressor states and indexer keys of two layers agree: byte for byte (``exact``),
     else the caches dequantized within one fp8 step and the float32 buffers within fp32 noise."""
     pages = cache_page_sizes(want)
-    for (name, g), (_, w) in zip(got.named_buffers(), want.named_buffers()):
+    got_buffers, want_buffers = list(got.named_buffers()), list(want.named_buffers())
+    assert [n for n, _ in got_buffers] == [n for n, _ in want_buffers]
+    for (name, g), (_, w) in zip(got_buffers, want_buffers):
         g, w = g[: live_rows(want, name)], w[: live_rows(want, name)]
         if exact:
             assert torch.equal(g, w), name

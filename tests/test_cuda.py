@@ -64,7 +64,10 @@ def compare(name, got, want, vmax=1.0, **case):
 def test_providers_on_this_gpu():
     chosen = d4.providers(DEV)
     record(providers=chosen, device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
-    if torch.cuda.get_device_capability() in ((9, 0),) or torch.cuda.get_device_capability()[0] == 10:
+    registered = set(dispatch.registered_providers("cuda"))
+    assert set(chosen) == set(dispatch.OPS) and set(chosen.values()) <= registered, chosen
+    assert chosen["fused_k_norm_rope_flashmla"] in ("triton", "reference"), chosen
+    if torch.cuda.get_device_capability() == (9, 0) or torch.cuda.get_device_capability()[0] == 10:
         assert chosen["flash_mla_with_kvcache"] in ("flashmla", "sgl_kernel"), chosen
 
 

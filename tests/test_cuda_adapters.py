@@ -119,8 +119,10 @@ def test_decode_sinks_and_empty_rows(provider, sink_kind):
     args[4] = None
     args[9] = torch.tensor([0, 5, 3], dtype=torch.int32)
     out, lse = on_cuda("flash_mla_with_kvcache", *args)
+    assert [name for name, _ in standin.CALLS] == ["decode"]  # served by the stand-in FlashMLA
     want = reference.flash_mla_with_kvcache(*args)
     torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-6)
     assert torch.isposinf(lse[0]).all() and not out[0].any()
 
 
@@ -171,6 +173,7 @@ def test_prefill_equals_reference_with_natural_log(provider, heads, sink_kind):
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-2)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)  # natural log on both providers
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    assert [name for name, _ in standin.CALLS] == ["prefill"] * (2 if heads > 128 else 1)
     for _, call in standin.CALLS:
         assert call["q"].shape[1] in (64, 128) and call["indices"].shape[-1] % 128 == 0
 

@@ -20,11 +20,10 @@ directly; tolerances are ``tolerances.DEVICE``, ``out`` scaled by the largest ke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -61,10 +60,10 @@ if INTERPRETED:
     _patch_interpreter()
 
 import dsv4_compile as d4  # noqa: E402
-from dsv4_compile import dispatch, layout, ops  # noqa: E402
+from dsv4_compile import dispatch, layout  # noqa: E402
 from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
-from helpers import store_inputs  # noqa: E402
+from helpers import run_interpreted_child, store_inputs  # noqa: E402
 
 DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
 PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
@@ -94,14 +93,24 @@ def _provider():
 
 @pytest.fixture
 def splits(monkeypatch):
-    """``splits(n)``: make decode cut each row's keys into (up to) ``n`` splits."""
+    """``splits(n)``: make decode cut each row's keys into up to ``n`` splits of 32-key blocks
+    (a case then needs ``32 * n`` index columns for ``n`` splits: see :func:`planned_splits`)."""
 
     def force(n):
+        base = ta.decode_config
+        monkeypatch.setattr(ta, "decode_config", lambda device: dataclasses.replace(base(device), block_n=32))
         monkeypatch.setattr(ta, "_parallelism", lambda device: n * 1_000_000)
         monkeypatch.setattr(ta, "MAX_SPLITS", n)
         monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 1)
 
     return force
+
+
+def planned_splits(args) -> int:
+    """The split count the decode launch plans for decode arguments ``args``."""
+    q, idx, extra_idx = args[0], args[3], args[8]
+    keys = idx.shape[-1] + (0 if extra_idx is None else extra_idx.shape[-1])
+    return ta.decode_plan(q.device, q.shape[0] * q.shape[1], q.shape[2], keys)[2]
 
 
 def record(**row):
@@ -225,10 +234,11 @@ def check_prefill(args, **case):
 DECODE_CASES = {  # name: (case keywords, splits)
     "h64-p64": (dict(), 1),
     "h64-p2-sq2-extra64-nolen-nosink-split": (
-        dict(page_size=2, s_q=2, extra_page_size=64, lengths=False, sink="none"), 4),
-    "h5-p64-sq2-extra2-sink+inf-split": (dict(heads=5, s_q=2, extra_page_size=2, sink="+inf"), 3),
+        dict(page_size=2, s_q=2, extra_page_size=64, width=72, extra_width=48, lengths=False, sink="none"), 4),
+    "h5-p64-sq2-extra2-sink+inf-split": (dict(heads=5, s_q=2, extra_page_size=2, width=56, sink="+inf"), 3),
     "h5-p2-extra64-sink-inf": (dict(heads=5, page_size=2, extra_page_size=64, sink="-inf"), 1),
-    "h64-p64-odd-stride-extra2-split": (dict(page_stride=64 * layout.TOKEN_BYTES + 1, extra_page_size=2), 5),
+    "h64-p64-odd-stride-extra2-split": (
+        dict(page_stride=64 * layout.TOKEN_BYTES + 1, extra_page_size=2, width=112), 5),
     "h5-p2-nolen-split": (dict(heads=5, page_size=2, lengths=False), 2),
     "h3-p61-extra69-width100-split": (
         dict(heads=3, page_size=61, width=100, extra_page_size=69, extra_width=70), 5),
@@ -242,7 +252,9 @@ def test_decode_matches_reference(device, name, splits):
     page sizes 2 / 64 / 61 / 69 and an odd page stride, one split and several."""
     keywords, n = DECODE_CASES[name]
     splits(n)
-    out, lse = check_decode(decode_case(device, **keywords))
+    args = decode_case(device, **keywords)
+    assert planned_splits(args) == n
+    out, lse = check_decode(args)
     assert not out[0].any() and torch.isposinf(lse[0]).all()  # the empty row
 
 
@@ -265,7 +277,9 @@ def test_decode_small_blocks(device, config, splits, monkeypatch):
     small = SMALL_CONFIGS[config]
     monkeypatch.setattr(ta, "decode_config", lambda device: small)
     splits(3)
-    check_decode(decode_case(device, heads=40, extra_page_size=2, s_q=2))
+    args = decode_case(device, heads=40, extra_page_size=2, s_q=2, width=72)
+    assert planned_splits(args) == 3
+    check_decode(args)
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -275,13 +289,15 @@ def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
     in-kernel whether to write partial results and combine them."""
     monkeypatch.setattr(ta, "_partial_mode", lambda splits: 2)
     splits(n)
-    check_decode(decode_case(device, heads=5, s_q=2, extra_page_size=2))
+    args = decode_case(device, heads=5, s_q=2, extra_page_size=2, width=72)
+    assert planned_splits(args) == n
+    check_decode(args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_single_key_is_the_exact_dequantized_key(device):
     """One key per row: ``out`` is that key, bit for bit (dequantization is exact: every fp8 code
-    but NaN, subnormals included, scales 2^-27 .. 2^23, bf16 RoPE bytes at an odd page stride)."""
+    but NaN, subnormals included, scales 2^-27 .. 2^22, bf16 RoPE bytes at an odd page stride)."""
     page_size, num_pages = 4, 16
     cache = torch.randint(0, 256, (num_pages, page_size * layout.TOKEN_BYTES + 3), dtype=torch.uint8)
     view = cache[:, : page_size * layout.DATA_BYTES].reshape(num_pages, page_size, layout.DATA_BYTES)
@@ -317,9 +333,9 @@ def test_decode_degenerate_shapes(device):
         idx = torch.zeros(batch, 1, width, dtype=torch.int32, device=device)
         args = (q, cache, 4, idx, None, None, None, 1, None, None, None, None, SCALE, 512)
         out, lse = ta.flash_mla_with_kvcache(*args)
-        want_out, want_lse = ops.decode_outputs(q, 512)
-        assert (out.shape, out.stride(), lse.shape, lse.stride()) == (
-            want_out.shape, want_out.stride(), want_lse.shape, want_lse.stride())
+        # out [B, 1, H, 512] contiguous; lse [B, H, 1] stored as [B, 1, H] (FlashMLA's layout)
+        assert (out.shape, out.stride()) == ((batch, 1, heads, 512), torch.empty(batch, 1, heads, 512).stride())
+        assert (lse.shape, lse.stride()) == ((batch, heads, 1), torch.empty(batch, 1, heads).transpose(1, 2).stride())
         assert not out.any() and torch.isposinf(lse).all()
 
 
@@ -350,6 +366,8 @@ def test_prefill_degenerate_shapes(device):
         args = prefill_case(device, s_q=s_q, heads=5, s_kv=s_kv, width=width, lengths=False)
         args = args[:2] + (args[2].clamp(-1, max(s_kv - 1, -1)),) + args[3:]
         out, max_logits, lse = ta.flash_mla_sparse_fwd(*args)
+        assert (out.shape, out.stride()) == ((s_q, 5, 512), torch.empty(s_q, 5, 512).stride())
+        assert max_logits.shape == lse.shape == (s_q, 5) and lse.stride() == torch.empty(s_q, 5).stride()
         assert not out.any() and torch.isneginf(max_logits).all() and torch.isposinf(lse).all()
 
 
@@ -360,16 +378,20 @@ def test_prefill_degenerate_shapes(device):
 
 @interpreted
 def test_ops_dispatch_to_the_triton_kernels():
-    """``torch.ops.dsv4.*`` on CPU, with the provider forced, run these kernels (interpreted) and
-    match the reference; the kernels pass opcheck's fake/real geometry checks."""
+    """``torch.ops.dsv4.*`` on CPU, with the provider forced, run these kernels (interpreted): the
+    results are the kernels' own and match the reference; both ops pass opcheck's fake/real
+    geometry checks."""
     decode_args = decode_case("cpu", heads=5, extra_page_size=2)
     prefill_args = prefill_case("cpu", heads=5)
     with d4.use_provider(PROVIDER, ops=ta.OPS):
         assert dispatch.resolve(ta.DECODE, torch.device("cpu"))[1] is ta.flash_mla_with_kvcache
         got = DECODE(*decode_args), PREFILL(*prefill_args)
-        torch.library.opcheck(PREFILL, prefill_args, test_utils=("test_schema", "test_faketensor"))
+        for op, args in ((DECODE, decode_args), (PREFILL, prefill_args)):
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert all(torch.equal(a, b) for a, b in zip(got[0], ta.flash_mla_with_kvcache(*decode_args)))
     assert all(torch.equal(a, b) for a, b in zip(got[1], ta.flash_mla_sparse_fwd(*prefill_args)))
+    check_decode(decode_args)
+    check_prefill(prefill_args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -644,7 +666,7 @@ def test_reduce_overhead_records_no_cudagraph_skip():
 
 @pytest.mark.cuda
 @compiled_triton
-def test_compiled_decode_with_dynamic_rows_compiles_once():
+def test_compiled_decode_with_dynamic_rows_recompiles_at_most_once():
     """Dynamic row counts: at most one recompile across them, equal to eager, on both sides of the
     split threshold."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -672,17 +694,4 @@ def test_compiled_decode_with_dynamic_rows_compiles_once():
 
 def test_interpreted_suite(request):
     """Run the ``device="cpu"`` and ``interpreted`` tests in a child pytest with ``TRITON_INTERPRET=1``."""
-    if INTERPRETED:
-        pytest.skip("this process is interpreted already: the interpreted tests run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-         "-k", "not test_interpreted_suite", os.path.abspath(__file__)],
-        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    summary = [line for line in child.stdout.splitlines() if " passed" in line or " failed" in line]
-    reporter = request.config.pluginmanager.getplugin("terminalreporter")
-    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        reporter.write_line(f"\nTRITON_INTERPRET=1 child: {summary[-1] if summary else '?'}")
+    run_interpreted_child(request.config, __file__)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -36,7 +34,7 @@ import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
 from dsv4_compile.kernels import reference, triton_common, triton_store  # noqa: E402
 from dsv4_compile.tolerances import STORE_FP8_STEP  # noqa: E402
-from helpers import store_inputs  # noqa: E402
+from helpers import report, run_interpreted_child, store_inputs  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled:UserWarning")
@@ -60,20 +58,12 @@ def _provider_and_report(request):
     triton_store._triton()
     yield
     if _diffs["calls"]:
-        _report(
+        report(
             request.config,
             f"triton store vs reference ({'interpreted' if INTERPRETED else 'compiled'}, "
             f"{_diffs['calls']} stores): differing fp8 bytes {_diffs['fp8']}/{_diffs['fp8_total']}, "
             f"differing bf16 bytes {_diffs['bf16']}/{_diffs['bf16_total']}",
         )
-
-
-def _report(config, line: str) -> None:
-    """Write ``line`` to the terminal past output capture."""
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        reporter.write("\n")
-        reporter.write_line(line)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,8 +468,8 @@ def test_compile_launches_the_triton_kernel_in_place():
 @pytest.mark.cuda
 @compiled_triton
 def test_compile_with_dynamic_token_count():
-    """One graph serves several token counts; with a symbolic token count the op stays an opaque
-    call (see ``_functional_rule``), exact at every count."""
+    """A compile with dynamic shapes serves several token counts, byte-exact at every count, with
+    at most one recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -535,16 +525,4 @@ def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
 
 def test_interpreted_suite(request):
     """Run the ``interpreted`` tests in a child pytest with ``TRITON_INTERPRET=1``."""
-    if INTERPRETED:
-        pytest.skip("this process is interpreted already: the interpreted tests run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-         "-k", "not test_interpreted_suite", os.path.abspath(__file__)],
-        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    for line in child.stdout.splitlines():
-        if line.startswith("triton store vs reference") or " passed" in line or " failed" in line:
-            _report(request.config, f"TRITON_INTERPRET=1 child: {line}")
+    run_interpreted_child(request.config, __file__, echo=("triton store vs reference",))
