@@ -45,8 +45,8 @@ class Timed:
         return out
 
     def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type != "cpu":  # CUDA, XPU: time the work, not its launch
+            torch.get_device_module(self.device).synchronize(self.device)
 
 
 def run(model, decode, prompts, steps, device):

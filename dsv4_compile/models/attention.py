@@ -49,7 +49,6 @@ class DeepseekV4Attention(nn.Module):
         compress_ratio: int,
         cache: CacheConfig,
         *,
-        freqs: torch.Tensor | None = None,
         device=None,
         dtype=torch.bfloat16,
     ):
@@ -73,8 +72,8 @@ class DeepseekV4Attention(nn.Module):
         self.wo_b = nn.Linear(self.groups * self.o_lora_rank, hidden, **linear)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, device=device, dtype=torch.float32))
 
-        if freqs is None:
-            freqs = layer_rope_table(config, compress_ratio, device)
+        # one table per (config, layer kind, device), shared by the layers of that kind
+        freqs = layer_rope_table(config, compress_ratio, device)
         self.register_buffer("freqs", freqs, persistent=False)
         self.register_buffer("swa_cache", layout.alloc_cache(cache.num_pages, cache.page_size, device))
         self.compressor = self.indexer = None

@@ -82,9 +82,6 @@ class DeepseekV4Config:
                 f"rotation, trailing RoPE dims), got {d}"
             )
 
-    def compress_ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
-
 
 @dataclass(frozen=True)
 class CacheConfig:

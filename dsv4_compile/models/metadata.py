@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
+from .. import layout, ops
 from .config import CacheConfig
 
 MODES = ("decode", "prefill")
@@ -98,8 +98,8 @@ class StepMetadata:
 def slot_of(page_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, per_page: int) -> torch.Tensor:
     """Slot of entry ``entry`` (token or block, ``>= 0``) of request ``req`` in a cache of
     ``per_page`` entries a page; ``req`` and ``entry`` broadcast."""
-    page = page_table[req, torch.div(entry, per_page, rounding_mode="floor")].long()
-    return page * per_page + entry % per_page
+    index, offset = layout.page_and_offset(entry, per_page)
+    return layout.slot(page_table[req, index].long(), offset, per_page)
 
 
 def build_step_metadata(

@@ -23,7 +23,6 @@ from .attention import DeepseekV4Attention
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import build_step_metadata
 from .norm import RMSNorm
-from .rope import layer_rope_table
 
 
 class MLP(nn.Module):
@@ -43,13 +42,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config, compress_ratio, cache, freqs, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, config, compress_ratio, cache, *, device=None, dtype=torch.bfloat16):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.attn = DeepseekV4Attention(
-            config, compress_ratio, cache, freqs=freqs, device=device, dtype=dtype
-        )
+        self.attn = DeepseekV4Attention(config, compress_ratio, cache, device=device, dtype=dtype)
         self.mlp = None
         if config.intermediate_size:
             self.post_attention_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
@@ -78,10 +75,9 @@ class DeepseekV4Model(nn.Module):
         self.config, self.cache = config, cache
         ratios = config.compress_ratios[: config.num_hidden_layers]
         self.compressed_ratios = tuple(sorted({r for r in ratios if r}))
-        tables = {r: layer_rope_table(config, r, device) for r in set(ratios)}
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, r, cache, tables[r], device=device, dtype=dtype) for r in ratios
+            DecoderLayer(config, r, cache, device=device, dtype=dtype) for r in ratios
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.lm_head = nn.Linear(
