@@ -21,8 +21,8 @@ import statistics
 import torch
 
 import dsv4_compile as d4
+from common import DEV, decode_inputs
 
-DEV = "cuda"
 
 
 def timed(fn, calls=50, runs=7) -> float:
@@ -51,27 +51,10 @@ def graph_timed(fn, per_graph=10) -> float:
     return timed(graph.replay) / per_graph
 
 
-def filled(num_pages, page_size):
-    cache = d4.alloc_cache(num_pages, page_size, DEV)
-    n = num_pages * page_size
-    d4.fused_k_norm_rope_flashmla(
-        torch.randn(n, 512, dtype=torch.bfloat16, device=DEV), torch.ones(512, dtype=torch.bfloat16, device=DEV),
-        torch.randn(n, 64, device=DEV), torch.arange(n, device=DEV), torch.arange(n, device=DEV), cache, 1e-6, page_size,
-    )
-    return cache
-
-
 def bench_decode(rows: int) -> dict:
     import flash_mla
 
-    heads = 64
-    cache, ecache = filled(64, 256), filled(512, 64)
-    q = torch.randn(rows, 1, heads, 512, dtype=torch.bfloat16, device=DEV)
-    idx = torch.randint(0, 64 * 256, (rows, 1, 128), dtype=torch.int32, device=DEV)
-    eidx = torch.randint(0, 512 * 64, (rows, 1, 512), dtype=torch.int32, device=DEV)
-    lengths = torch.randint(64, 129, (rows,), dtype=torch.int32, device=DEV)
-    elen = torch.randint(256, 513, (rows,), dtype=torch.int32, device=DEV)
-    sink = torch.randn(heads, device=DEV)
+    q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows)
     view, eview = d4.flashmla_view(cache, 256), d4.flashmla_view(ecache, 64)
     scale = 512**-0.5
 

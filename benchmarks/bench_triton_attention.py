@@ -26,9 +26,9 @@ import triton.testing
 
 import dsv4_compile as d4
 from dsv4_compile import dispatch, layout
-from dsv4_compile.kernels import reference, triton_attention as ta
+from dsv4_compile.kernels import triton_attention as ta
+from common import DEV, decode_inputs
 
-DEV = "cuda"
 SCALE = layout.HEAD_DIM**-0.5
 FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
 #: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages): those that
@@ -48,17 +48,6 @@ def graph_us(fn) -> float:
 
 def eager_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-def filled(num_pages, page_size):
-    cache = layout.alloc_cache(num_pages, page_size, DEV)
-    n = num_pages * page_size
-    kv = torch.randn(n, 512, dtype=torch.bfloat16, device=DEV) * 2
-    reference.fused_k_norm_rope_flashmla(
-        kv, torch.ones(512, dtype=torch.bfloat16, device=DEV), torch.randn(n, 64, device=DEV),
-        torch.arange(n, device=DEV), torch.arange(n, device=DEV), cache, 1e-6, page_size,
-    )
-    return cache
 
 
 def flashmla_available() -> bool:
@@ -99,13 +88,7 @@ def sweep(name: str, values, fn) -> list[dict]:
 
 
 def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool) -> dict:
-    cache, ecache = filled(64, 256), filled(512, 64)
-    q = torch.randn(rows, 1, heads, 512, dtype=torch.bfloat16, device=DEV)
-    idx = torch.randint(0, 64 * 256, (rows, 1, 128), dtype=torch.int32, device=DEV)
-    eidx = torch.randint(0, 512 * 64, (rows, 1, 512), dtype=torch.int32, device=DEV)
-    lengths = torch.randint(64, 129, (rows,), dtype=torch.int32, device=DEV)
-    elen = torch.randint(256, 513, (rows,), dtype=torch.int32, device=DEV)
-    sink = torch.randn(heads, device=DEV)
+    q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)
     args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
 
     def triton_call():

@@ -1,0 +1,38 @@
+"""Inputs shared by the attention benchmarks: the DSV4 decode step of benchmarks/RESULTS.md.
+
+H heads, ``rows`` query rows; an SWA cache (page size 256, 64 pages) read through 128 indices per
+row, and a compressed extra cache (page size 64, 512 pages) read through 512 indices per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_compile import layout
+from dsv4_compile.kernels import reference
+
+DEV = "cuda"
+SWA_PAGE, EXTRA_PAGE = 256, 64
+
+
+def filled(num_pages: int, page_size: int) -> torch.Tensor:
+    """A cache whose every slot holds a random token (stored by the reference kernel)."""
+    cache = layout.alloc_cache(num_pages, page_size, DEV)
+    n = num_pages * page_size
+    reference.fused_k_norm_rope_flashmla(
+        torch.randn(n, 512, dtype=torch.bfloat16, device=DEV) * 2, torch.ones(512, dtype=torch.bfloat16, device=DEV),
+        torch.randn(n, 64, device=DEV), torch.arange(n, device=DEV), torch.arange(n, device=DEV), cache, 1e-6, page_size,
+    )
+    return cache
+
+
+def decode_inputs(rows: int, heads: int = 64) -> tuple:
+    """``(q, cache, idx, lengths, sink, extra_cache, extra_idx, extra_lengths)`` of one decode step."""
+    cache, ecache = filled(64, SWA_PAGE), filled(512, EXTRA_PAGE)
+    q = torch.randn(rows, 1, heads, 512, dtype=torch.bfloat16, device=DEV)
+    idx = torch.randint(0, 64 * SWA_PAGE, (rows, 1, 128), dtype=torch.int32, device=DEV)
+    eidx = torch.randint(0, 512 * EXTRA_PAGE, (rows, 1, 512), dtype=torch.int32, device=DEV)
+    lengths = torch.randint(64, 129, (rows,), dtype=torch.int32, device=DEV)
+    elen = torch.randint(256, 513, (rows,), dtype=torch.int32, device=DEV)
+    sink = torch.randn(heads, device=DEV)
+    return q, cache, idx, lengths, sink, ecache, eidx, elen
