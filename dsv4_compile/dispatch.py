@@ -107,11 +107,6 @@ def reset() -> None:
         _registry.warned.clear()
 
 
-def forced_providers() -> dict[str, str] | None:
-    """The current override, ``{op: provider}``, or ``None`` when nothing is forced."""
-    return _forced()
-
-
 def _forced() -> dict[str, str] | None:
     forced = getattr(_override, "forced", None)
     if forced is not None:
