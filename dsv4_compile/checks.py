@@ -26,6 +26,11 @@ import torch
 from . import layout
 
 CHECKED_ENV = "DSV4_COMPILE_CHECKED"
+#: Widest index row accepted (``indices``/``extra_indices`` last dim): 2^20 keys per query row, 128x
+#: the widest DSV4 row at a 1M-token context (c128 layers attend every compressed token: 8192),
+#: far below where int32 slot arithmetic or a kernel's workspace would break. Wider is rejected
+#: before anything is allocated (e.g. a stride-0 ``expand`` to 2^31 columns).
+MAX_INDEX_WIDTH = 1 << 20
 _state = threading.local()
 
 
@@ -98,6 +103,28 @@ class Checker:
                 f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {t.device}"
             )
         return t
+
+    def same_device(self, **tensors) -> torch.device | None:
+        """The device all tensor arguments share (``None`` and non-tensors are skipped). Otherwise
+        the odd one out is named: the first argument not on the device most arguments are on
+        (ties: the device of the earliest argument)."""
+        placed = [(arg, t.device) for arg, t in tensors.items() if isinstance(t, torch.Tensor)]
+        if not placed:
+            return None  # the type checks that follow name the argument
+        first = placed[0][1]
+        if all(d == first for _, d in placed):
+            return first
+        devices = [d for _, d in placed]
+        majority = max(dict.fromkeys(devices), key=devices.count)  # first-seen wins ties
+        odd, got = next((arg, d) for arg, d in placed if d != majority)
+        like = ", ".join(arg for arg, d in placed if d == majority)
+        raise ValueError(f"dsv4.{self.op}: {odd} must be on {majority} like {like}, got {got}")
+
+    def width(self, arg: str, t: torch.Tensor) -> int:
+        """The index width (last dim) of ``t``, at most :data:`MAX_INDEX_WIDTH`."""
+        if t.shape[-1] > MAX_INDEX_WIDTH:
+            self.fail(arg, f"at most {MAX_INDEX_WIDTH} index columns wide", t)
+        return t.shape[-1]
 
     def optional(self, arg, t, dtypes, shape, device) -> None:
         if t is not None:
@@ -200,8 +227,10 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, *, data: bool) -> int:
     c = Checker("fused_k_norm_rope_flashmla")
+    device = c.same_device(kv=kv, kv_weight=kv_weight, freqs=freqs, positions=positions,
+                           out_loc=out_loc, kvcache=kvcache)
     c.tensor("kv", kv, _STORE_DTYPES, [None, layout.HEAD_DIM])
-    num_tokens, device = kv.shape[0], kv.device
+    num_tokens = kv.shape[0]
     if kv.stride(1) != 1:
         c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
     c.tensor("kv_weight", kv_weight, (kv.dtype,), [layout.HEAD_DIM], device)
@@ -226,12 +255,17 @@ def check_decode(
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, *, data: bool,
 ) -> tuple[int, int, int]:
     c = Checker("flash_mla_with_kvcache")
+    device = c.same_device(
+        q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
+    )
     c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
     batch, s_q, heads = q.shape[:3]
-    device = q.device
     c.positive_int("page_size", page_size)
     c.cache("k_cache", k_cache, page_size, device)
     c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.width("indices", indices)
     c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
     c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
     if extra_k_cache is None:
@@ -244,6 +278,7 @@ def check_decode(
         if extra_indices is None:
             c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
         c.tensor("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+        c.width("extra_indices", extra_indices)
         c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)
     if (tile_scheduler_metadata is None) != (num_splits is None):
         c.fail(
@@ -270,11 +305,12 @@ def check_decode(
 
 def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, *, data: bool) -> tuple[int, int]:
     c = Checker("flash_mla_sparse_fwd")
+    device = c.same_device(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
     c.tensor("q", q, (torch.bfloat16,), [None, None, layout.HEAD_DIM])
     s_q, heads = q.shape[:2]
-    device = q.device
     c.tensor("kv", kv, (torch.bfloat16,), [None, 1, layout.HEAD_DIM], device)
     c.tensor("indices", indices, (torch.int32,), [s_q, 1, None], device)
+    c.width("indices", indices)
     c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
     c.optional("topk_length", topk_length, (torch.int32,), [s_q], device)
     if d_v != layout.HEAD_DIM:
@@ -291,12 +327,16 @@ def check_metadata(
 ) -> tuple[int, int, int]:
     """(Metadata only: nothing here depends on tensor values; ``data`` is accepted for symmetry.)"""
     c = Checker("get_mla_metadata")
+    device = c.same_device(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
+                           extra_topk_length=extra_topk_length)
     c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
     batch, s_q, heads = q.shape[:3]
-    device = q.device
     c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.width("indices", indices)
     c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
     c.optional("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+    if extra_indices is not None:
+        c.width("extra_indices", extra_indices)
     if extra_indices is None and extra_topk_length is not None:
         c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
     c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)

@@ -33,6 +33,13 @@ PAGE_ALIGN = DATA_BYTES  # canonical page strides are multiples of 576
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_MIN = 1e-4  # amax floor before the scale is computed
 UE8M0_BIAS = 127
+#: The records of a token stored from non-finite values: fp8 NaN (0x7F) x 448, bf16 NaN x 64;
+#: UE8M0 NaN (0xFF) x 7 and the 0 pad byte. Such a token dequantizes to NaN in every dim.
+NAN_DATA_RECORD = torch.cat([
+    torch.full((NOPE_DIM,), 0x7F, dtype=torch.uint8),
+    torch.tensor([0xC0, 0x7F], dtype=torch.uint8).repeat(ROPE_DIM),
+])
+NAN_SCALE_RECORD = torch.tensor([0xFF] * NUM_TILES + [0], dtype=torch.uint8)
 
 
 def page_bytes(page_size: int) -> int:
@@ -99,6 +106,17 @@ def _ue8m0_to_float(exponent_bytes: torch.Tensor) -> torch.Tensor:
     return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
 
 
+def data_records(kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The data records of a base cache as a view ``uint8 [num_pages, P, 576]`` (page stride kept)."""
+    return kvcache[:, : page_size * DATA_BYTES].unflatten(1, (page_size, DATA_BYTES))
+
+
+def scale_records(kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The scale records of a base cache as a view ``uint8 [num_pages, P, 8]`` (page stride kept)."""
+    start = page_size * DATA_BYTES
+    return kvcache[:, start : start + page_size * SCALE_BYTES].unflatten(1, (page_size, SCALE_BYTES))
+
+
 def gather_dequant(
     kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
@@ -106,20 +124,13 @@ def gather_dequant(
 
     ``value = fp8 * 2**(b - 127)`` for dims 0..447 (exact in bf16: 3 mantissa bits times a power of
     two), the stored bf16 for dims 448..511. Negative slots (holes) read slot 0's bytes; mask them
-    yourself. Slots must be ``< num_pages * page_size``.
+    yourself. Slots must be ``< num_pages * page_size``. Reads only the records of ``slots`` (one
+    ``(page, offset)`` pair of indices per token, no per-byte index tensors).
     """
     shape = slots.shape
-    flat = slots.reshape(-1).clamp_min(0)
-    page, offset = page_and_offset(flat, page_size)
-    data_cols = offset[:, None] * DATA_BYTES + torch.arange(DATA_BYTES, device=slots.device)
-    scale_cols = (
-        page_size * DATA_BYTES
-        + offset[:, None] * SCALE_BYTES
-        + torch.arange(NUM_TILES, device=slots.device)
-    )
-    rows = page[:, None]
-    data = kvcache[rows, data_cols]  # [n, 576] uint8
-    exps = kvcache[rows, scale_cols]  # [n, 7] uint8
+    page, offset = page_and_offset(slots.reshape(-1).clamp_min(0), page_size)
+    data = data_records(kvcache, page_size)[page, offset]  # [n, 576] uint8
+    exps = scale_records(kvcache, page_size)[page, offset, :NUM_TILES]  # [n, 7] uint8
     nope = data[:, :NOPE_DIM].view(torch.float8_e4m3fn).to(torch.float32)
     nope = (nope.view(-1, NUM_TILES, TILE) * _ue8m0_to_float(exps)[:, :, None]).view(-1, NOPE_DIM)
     rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)

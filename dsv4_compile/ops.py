@@ -128,15 +128,17 @@ def _schema_defaults(op_name: str) -> tuple:
 
 def _no_grad_kernel(op_name: str):
     op = getattr(getattr(torch.ops, NAMESPACE), op_name).default
+    names = [a.name for a in op._schema.arguments]
 
     def kernel(keyset, *args):
-        if torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ):
-            raise RuntimeError(
-                f"dsv4.{op_name} is inference-only (no backward); call it under torch.no_grad() "
-                f"or with inputs that do not require grad"
-            )
+        if torch.is_grad_enabled():
+            for name, a in zip(names, args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    raise RuntimeError(
+                        f"dsv4.{op_name} is inference-only (no backward): {name} requires grad; "
+                        f"call it under torch.no_grad() or torch.inference_mode(), or pass "
+                        f"{name}.detach()"
+                    )
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
     return kernel

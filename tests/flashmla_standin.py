@@ -53,6 +53,7 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
     CALLS.append(("decode", dict(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                                  meta=tile_scheduler_metadata, extra_kv=extra_kv, extra_indices=extra_indices)))
     batch, s_q, heads, d_qk = q.shape
+    assert batch > 0 and s_q > 0, "FlashMLA refuses empty launches"
     assert q.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
     assert heads in (64, 128), f"Unsupported h_q: {heads}"
     _check_view("kv", kv)
@@ -85,6 +86,7 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
 def _prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     CALLS.append(("prefill", dict(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)))
     s_q, heads, d_qk = q.shape
+    assert s_q > 0 and kv.shape[0] > 0, "FlashMLA refuses empty launches"
     assert q.dtype == kv.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
     assert heads in (64, 128), f"Unsupported h_q: {heads}"
     assert kv.dim() == 3 and kv.shape[1] == 1

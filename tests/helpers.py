@@ -85,3 +85,93 @@ def run_interpreted_child(config, test_file: str, echo: tuple[str, ...] = ()) ->
     for line in child.stdout.splitlines():
         if line.startswith(echo) or passed[0] in line:
             report(config, f"TRITON_INTERPRET=1 child: {line}")
+
+
+# --------------------------------------------------------------------------------------------
+# Garbage where a row does not look: no output may depend on bytes its row does not reference
+# --------------------------------------------------------------------------------------------
+
+#: Bytes real engines leave in padding pages: 0x7F (fp8 NaN, bf16 3.4e38 pairs) and 0xFF (fp8 NaN,
+#: bf16 NaN, UE8M0 255 -> 2^128 = inf).
+GARBAGE_BYTES = (0x7F, 0xFF)
+
+
+def referenced_slots(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """The slots the counted entries of ``indices [B, s_q, K]`` reference (not ``-1``, ``j < lengths[b]``)."""
+    counted = indices >= 0
+    if lengths is not None:
+        counted &= torch.arange(indices.shape[-1], device=indices.device) < lengths[:, None, None]
+    return indices[counted].unique()
+
+
+def poison_unreferenced(cache: torch.Tensor, page_size: int, slots: torch.Tensor, byte: int) -> torch.Tensor:
+    """A copy of ``cache`` with every byte set to ``byte`` except the data record (576 bytes at
+    ``o*576``) and scale record (8 bytes at ``P*576 + o*8``) of each slot ``p*P + o`` in ``slots``."""
+    poisoned = torch.full_like(cache, byte)
+    for s in slots.tolist():
+        p, o = divmod(s, page_size)
+        for start, size in ((o * 576, 576), (page_size * 576 + o * 8, 8)):
+            poisoned[p, start : start + size] = cache[p, start : start + size]
+    return poisoned
+
+
+def decode_args_around_garbage(heads: int = 16, s_q: int = 2, device="cpu", width: int = 24) -> list:
+    """Decode arguments (schema order) whose counted entries avoid page 0 of both caches, while
+    entries past ``topk_length`` point into it (slot 0) and ``-1`` holes sit among the counted ones."""
+    batch, page_size, extra_page_size, extra_width = 3, 16, 2, 6
+    cache, _ = filled_cache(4, page_size)
+    extra, _ = filled_cache(4, extra_page_size)
+    indices = random_indices((batch, s_q, width), 3 * page_size) + page_size  # pages 1..3
+    indices[indices == page_size - 1] = -1
+    lengths = torch.tensor([width, 10, 0], dtype=torch.int32)
+    extra_indices = random_indices((batch, s_q, extra_width), 3 * extra_page_size) + extra_page_size
+    extra_indices[extra_indices == extra_page_size - 1] = -1
+    extra_lengths = torch.tensor([3, 0, extra_width], dtype=torch.int32)
+    for idx, ln in ((indices, lengths), (extra_indices, extra_lengths)):
+        for b, n in enumerate(ln.tolist()):
+            idx[b, :, n:] = 0  # uncounted: read nothing, whatever slot 0 holds
+    q = torch.randn(batch, s_q, heads, 512, dtype=torch.bfloat16)
+    sink_vals = torch.randn(heads)
+    args = [q, cache, page_size, indices, lengths, sink_vals, extra, extra_page_size, extra_indices,
+            extra_lengths, None, None, 512**-0.5, 512]
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def poisoned_decode_args(args: list, byte: int) -> list:
+    """``args`` (from :func:`decode_args_around_garbage`) with every unreferenced cache byte ``byte``."""
+    args = list(args)
+    for cache_at, size_at, idx_at, len_at in ((1, 2, 3, 4), (6, 7, 8, 9)):
+        slots = referenced_slots(args[idx_at].cpu(), args[len_at].cpu())
+        poisoned = poison_unreferenced(args[cache_at].cpu(), args[size_at], slots, byte)
+        args[cache_at] = poisoned.to(args[cache_at].device)
+    return args
+
+
+def prefill_args_around_garbage(heads: int = 16, device="cpu") -> list:
+    """Prefill arguments whose counted indices avoid workspace row 0, while holes (negative,
+    ``>= s_kv``) and entries past ``topk_length`` do not; see :func:`poisoned_prefill_args`."""
+    s_q, s_kv, width = 5, 40, 16
+    q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16)
+    indices = torch.randint(1, s_kv, (s_q, 1, width), dtype=torch.int32)
+    indices[:, :, 3] = -1
+    indices[:, :, 5] = -7
+    indices[:, :, 7] = s_kv + 2
+    lengths = torch.tensor([width, 9, 0, 12, 1], dtype=torch.int32)
+    for s, n in enumerate(lengths.tolist()):
+        indices[s, :, n:] = 0
+    args = [q, kv, indices, 512**-0.5, 512, torch.randn(heads), lengths]
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def poisoned_prefill_args(args: list, byte: int) -> list:
+    """``args`` with every workspace row no counted index references filled with ``byte``."""
+    args = list(args)
+    kv, indices, lengths = args[1], args[2], args[6]
+    counted = (indices[:, 0] >= 0) & (indices[:, 0] < kv.shape[0])
+    counted &= torch.arange(indices.shape[-1], device=kv.device) < lengths[:, None]
+    keep = torch.zeros(kv.shape[0], dtype=torch.bool, device=kv.device)
+    keep[indices[:, 0][counted].long()] = True
+    garbage = torch.full_like(kv.view(torch.uint8), byte).view(kv.dtype)
+    args[1] = torch.where(keep[:, None, None], kv, garbage)
+    return args

@@ -209,7 +209,7 @@ def flash_mla_sparse_fwd(
 
     idx = _counted_slots(indices[:, 0], topk_length, kv.shape[0])
     keys = kv[:, 0][idx.clamp_min(0).long()] if kv.shape[0] else kv.new_zeros(*idx.shape, d_qk)
-    o, m, l = reference.sparse_attention(q, keys, idx >= 0, sm_scale, attn_sink)
+    o, m, l = reference.sparse_attention(q, [(keys, idx >= 0)], sm_scale, attn_sink)
     output.copy_(o[..., :d_v])
     max_logits.copy_(m)
     lse.copy_(l)

@@ -10,7 +10,16 @@ from dsv4_compile.tolerances import REFERENCE
 
 from conftest import call
 from float64_model import attend, decode_cache_token
-from helpers import filled_cache, random_indices, sink
+from helpers import (
+    GARBAGE_BYTES,
+    decode_args_around_garbage,
+    filled_cache,
+    poisoned_decode_args,
+    poisoned_prefill_args,
+    prefill_args_around_garbage,
+    random_indices,
+    sink,
+)
 
 DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
 PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
@@ -155,6 +164,73 @@ def test_decode_chunking_is_invisible(monkeypatch):
     monkeypatch.setattr(reference, "CHUNK_BYTES", 1)  # one row per chunk
     rows = d4.flash_mla_with_kvcache(q, cache, 8, idx)
     assert torch.equal(whole[0], rows[0]) and torch.equal(whole[1], rows[1])
+
+
+def test_decode_key_blocks_match_float64(monkeypatch):
+    """Rows wider than one key block merge their blocks (running max, rescaled sums) exactly
+    enough: a 3-key block size gives the float64 model's result within the reference tolerance."""
+    from dsv4_compile.kernels import reference
+
+    cache, _ = filled_cache(4, 16)
+    table = decoded(cache, 16)
+    q = torch.randn(2, 1, 8, 512, dtype=torch.bfloat16)
+    idx = random_indices((2, 1, 20), 64)
+    lengths = torch.tensor([20, 7], dtype=torch.int32)
+    sink_vals = torch.randn(8)
+    monkeypatch.setattr(reference, "_plan", lambda rows, width, heads: (1, 3))
+    out, lse = DECODE(q, cache, 16, idx, lengths, sink_vals, None, 1, None, None, None, None, 0.05, 512)
+    want_out, want_lse = expected_decode(q, table, idx, lengths, None, None, None, 0.05, sink_vals)
+    close("out", out, want_out, table.abs().max().item())
+    close("lse", lse, want_lse)
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+def test_decode_reads_nothing_its_row_does_not_reference(byte):
+    """Every cache byte outside the records the counted entries reference is garbage (NaN/Inf
+    patterns): outputs are bit-identical to those over a clean cache (holes, entries past
+    topk_length pointing at slot 0, padding, other tokens' records)."""
+    args = decode_args_around_garbage()
+    clean = call(DECODE, *args)
+    dirty = call(DECODE, *poisoned_decode_args(args, byte))
+    assert clean[0].isfinite().all() and not clean[1].isnan().any()
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+def test_prefill_reads_nothing_its_row_does_not_reference(byte):
+    args = prefill_args_around_garbage()
+    clean = call(PREFILL, *args)
+    dirty = call(PREFILL, *poisoned_prefill_args(args, byte))
+    assert clean[0].isfinite().all()
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+
+
+@pytest.mark.parametrize("batch,s_q,width", [(0, 1, 8), (2, 0, 8), (0, 0, 0), (2, 1, 0)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decode_empty_batches(batch, s_q, width, compiled):
+    """Engines call with empty batches: no rows, or rows with no index column."""
+    cache, _ = filled_cache(2, 4)
+    extra, _ = filled_cache(2, 2)
+    q = torch.randn(batch, s_q, 8, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(batch, s_q, width, dtype=torch.int32)
+    lengths = torch.zeros(batch, dtype=torch.int32)
+    fn = torch.compile(d4.flash_mla_with_kvcache, fullgraph=True) if compiled else d4.flash_mla_with_kvcache
+    meta, splits = d4.get_mla_metadata(q, idx, lengths, idx, lengths)
+    out, lse = fn(q, cache, 4, idx, lengths, torch.randn(8), extra, 2, idx, lengths, meta, splits)
+    assert out.shape == (batch, s_q, 8, 512) and lse.shape == (batch, 8, s_q)
+    assert not out.any() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("s_q,s_kv,width", [(0, 4, 8), (3, 0, 8), (3, 4, 0), (0, 0, 0)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_prefill_empty_batches(s_q, s_kv, width, compiled):
+    q = torch.randn(s_q, 8, 512, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(s_q, 1, width, dtype=torch.int32)
+    fn = torch.compile(d4.flash_mla_sparse_fwd, fullgraph=True) if compiled else d4.flash_mla_sparse_fwd
+    out, mx, lse = fn(q, kv, idx, 0.1, attn_sink=torch.randn(8))
+    assert out.shape == (s_q, 8, 512) and mx.shape == lse.shape == (s_q, 8)
+    assert not out.any() and torch.isposinf(lse).all() and torch.isneginf(mx).all()
 
 
 def expected_prefill(q, kv, indices, lengths, scale, sink_vals):

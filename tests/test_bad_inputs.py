@@ -155,3 +155,43 @@ def test_grad_inputs_are_rejected():
         PREFILL(*args.values())
     with torch.no_grad():
         PREFILL(*args.values())
+
+
+@pytest.mark.parametrize("odd", ["kv", "kv_weight", "kvcache"])
+def test_mixed_devices_name_the_odd_one_out(odd):
+    """Whichever argument is on another device (the first one included) is the one named."""
+    cache, _ = filled_cache(2, P)
+    before = cache.clone()
+    args = store_args(kvcache=cache)
+    args[odd] = args[odd].to("meta")
+    with pytest.raises(ValueError) as info:
+        STORE(*args.values())
+    assert re.search(rf"^dsv4\.\w+: {odd} must be on cpu like .*, got meta$", str(info.value)), str(info.value)
+    assert torch.equal(cache, before)
+
+
+def test_grad_error_names_the_input():
+    args = prefill_args()
+    args["kv"].requires_grad_()
+    with pytest.raises(RuntimeError, match=r"inference-only.*: kv requires grad"):
+        PREFILL(*args.values())
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill", "metadata"])
+def test_absurd_index_widths_are_rejected_before_allocating(op):
+    """A stride-0 expand makes a 2^31-wide index row cost nothing to build: it must be refused
+    from its shape, not by an allocation failure (or hours of work) inside a kernel."""
+    wide = 2**31
+    cache, _ = filled_cache(2, P)
+    if op == "prefill":
+        args = prefill_args(indices=torch.zeros(3, 1, 1, dtype=torch.int32).expand(3, 1, wide))
+        call_ = lambda: PREFILL(*args.values())  # noqa: E731
+    else:
+        idx = torch.zeros(2, 1, 1, dtype=torch.int32).expand(2, 1, wide)
+        args = decode_args(k_cache=cache, indices=idx)
+        if op == "decode":
+            call_ = lambda: DECODE(*args.values())  # noqa: E731
+        else:
+            call_ = lambda: META(args["q"], idx, None, None, None)  # noqa: E731
+    with pytest.raises(ValueError, match=r"indices must be at most \d+ index columns wide, got int32 \[.*2147483648\]"):
+        call_()

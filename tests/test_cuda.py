@@ -4,6 +4,7 @@ against the raw FlashMLA library, under opcheck, CUDA graphs and torch.compile.
 Max errors are appended as JSON lines to ``$DSV4_RESULTS`` when set (for benchmarks/RESULTS.md).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -232,3 +233,42 @@ def test_compile_and_reduce_overhead():
     record(kind="reduce_overhead_decode", cudagraph_skips=skips)
     assert skips == 0
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("provider", ["default", "reference"])
+@pytest.mark.parametrize("byte", [0x7F, 0xFF], ids=hex)
+@pytest.mark.parametrize("heads", [64, 16])
+def test_outputs_read_nothing_their_row_does_not_reference(provider, byte, heads):
+    """Garbage (NaN/Inf byte patterns) in every unreferenced cache byte and workspace row: the
+    outputs are bit-identical to those over clean memory, on the GPU providers and the reference."""
+    from helpers import (decode_args_around_garbage, poisoned_decode_args, poisoned_prefill_args,
+                         prefill_args_around_garbage)
+
+    torch.manual_seed(0)
+    decode = decode_args_around_garbage(heads=heads, device=DEV, width=200)
+    prefill = prefill_args_around_garbage(heads=heads, device=DEV)
+    with d4.use_provider(provider) if provider == "reference" else contextlib.nullcontext():
+        for op, args, poisoned in ((torch.ops.dsv4.flash_mla_with_kvcache.default, decode, poisoned_decode_args),
+                                   (torch.ops.dsv4.flash_mla_sparse_fwd.default, prefill, poisoned_prefill_args)):
+            clean = op(*args)
+            dirty = op(*poisoned(args, byte))
+            record(op=f"garbage-{op.name()}", provider=d4.providers(DEV)[op.name().split("::")[1].split(".")[0]],
+                   byte=byte, heads=heads, nan_outputs=int(dirty[0].isnan().sum()))
+            assert clean[0].isfinite().all()
+            assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+
+
+@pytest.mark.parametrize("provider", ["default", "reference"])
+def test_empty_batches(provider):
+    cache = filled(2, 64)
+    with d4.use_provider(provider) if provider == "reference" else contextlib.nullcontext():
+        for batch, s_q in ((0, 1), (3, 0)):
+            q = torch.randn(batch, s_q, 64, 512, dtype=torch.bfloat16, device=DEV)
+            idx = torch.zeros(batch, s_q, 64, dtype=torch.int32, device=DEV)
+            meta, splits = d4.get_mla_metadata(q, idx)
+            out, lse = d4.flash_mla_with_kvcache(q, cache, 64, idx, tile_scheduler_metadata=meta, num_splits=splits)
+            assert out.shape == (batch, s_q, 64, 512) and lse.shape == (batch, 64, s_q)
+        q = torch.randn(0, 64, 512, dtype=torch.bfloat16, device=DEV)
+        out, mx, lse = d4.flash_mla_sparse_fwd(q, torch.randn(4, 1, 512, dtype=torch.bfloat16, device=DEV),
+                                               torch.zeros(0, 1, 128, dtype=torch.int32, device=DEV), 0.1)
+        assert out.shape == (0, 64, 512)

@@ -14,7 +14,16 @@ from dsv4_compile import dispatch, ops
 from dsv4_compile.kernels import flashmla, reference
 
 import flashmla_standin as standin
-from helpers import filled_cache, random_indices, sink
+from helpers import (
+    GARBAGE_BYTES,
+    decode_args_around_garbage,
+    filled_cache,
+    poisoned_decode_args,
+    poisoned_prefill_args,
+    prefill_args_around_garbage,
+    random_indices,
+    sink,
+)
 
 CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
@@ -209,3 +218,36 @@ def test_sm100_unpadded_page_stride_is_served_by_the_next_provider(monkeypatch):
         torch.testing.assert_close(lse, padded[1], atol=1e-5, rtol=1e-6)
     finally:
         dispatch.reset()
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+def test_outputs_read_nothing_their_row_does_not_reference(provider, byte):
+    """Garbage in every unreferenced cache byte / workspace row changes no output bit (the
+    adapter's index padding points nowhere either)."""
+    args = decode_args_around_garbage(heads=64)
+    clean = on_cuda("flash_mla_with_kvcache", *args)
+    dirty = on_cuda("flash_mla_with_kvcache", *poisoned_decode_args(args, byte))
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty)) and clean[0].isfinite().all()
+    args = prefill_args_around_garbage(heads=64)
+    clean = on_cuda("flash_mla_sparse_fwd", *args)
+    dirty = on_cuda("flash_mla_sparse_fwd", *poisoned_prefill_args(args, byte))
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty)) and clean[0].isfinite().all()
+
+
+@pytest.mark.parametrize("batch,s_q", [(0, 1), (2, 0)])
+def test_empty_batches_launch_nothing(provider, batch, s_q):
+    args = decode_case(64, s_q=s_q, batch=batch)
+    args[3] = args[3][:batch, :s_q]
+    args[8] = args[8][:batch, :s_q]
+    args[4], args[9] = args[4][:batch], args[9][:batch]
+    meta, splits = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+    meta_shape, splits_shape = flashmla.metadata_shapes(torch.device("cuda", 0), batch, s_q, 64)
+    assert meta.shape == meta_shape and splits.shape == splits_shape
+    args[10], args[11] = meta, splits
+    out, lse = on_cuda("flash_mla_with_kvcache", *args)
+    assert out.shape == (batch, s_q, 64, 512) and lse.shape == (batch, 64, s_q)
+    prefill = on_cuda("flash_mla_sparse_fwd", args[0][0, :0] if batch else args[0].reshape(0, 64, 512),
+                      torch.randn(4, 1, 512, dtype=torch.bfloat16), torch.zeros(0, 1, 8, dtype=torch.int32),
+                      0.1, 512, None, None)
+    assert prefill[0].shape == (0, 64, 512)
+    assert standin.CALLS == []

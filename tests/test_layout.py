@@ -13,7 +13,12 @@ from helpers import filled_cache
 @pytest.mark.parametrize("page_size,expected", [(256, 149760), (128, 74880), (64, 37440), (2, 1728), (1, 1152)])
 def test_page_bytes(page_size, expected):
     assert d4.page_bytes(page_size) == expected
-    assert expected % 576 == 0 and expected >= page_size * 584
+
+
+def test_page_bytes_is_the_smallest_multiple_of_576_holding_the_page():
+    for page_size in range(1, 1025):
+        stride = d4.page_bytes(page_size)
+        assert stride % 576 == 0 and page_size * 584 <= stride < page_size * 584 + 576, page_size
 
 
 def test_constants():

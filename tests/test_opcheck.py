@@ -1,4 +1,8 @@
-"""torch.library.opcheck (schema, fake, aot-dispatch dynamic, autograd registration) for every op."""
+"""torch.library.opcheck (schema, fake, aot-dispatch dynamic, autograd registration) for every op.
+
+Cases are listed at collection as ids and parameters; their tensors are built inside each test
+(seeded per test by conftest), so collecting builds nothing.
+"""
 
 import itertools
 
@@ -9,87 +13,95 @@ import dsv4_compile as d4
 
 from helpers import filled_cache, random_indices, sink, store_inputs
 
-
-def decode_samples():
-    torch.manual_seed(0)  # built at collection, before the per-test seed
+DECODE_CASES = {
+    f"H{heads}-sq{s_q}-extra{int(extra)}-sink{sink_kind}-len{int(lengths)}": (heads, s_q, extra, sink_kind, lengths)
     for heads, s_q, extra, sink_kind, lengths in itertools.product(
         (64, 128), (1, 2), (False, True), ("random", "+inf", "-inf", "none"), (False, True)
-    ):
-        batch, page_size = 2, 16
-        cache, _ = filled_cache(2, page_size, num_tokens=20)
-        idx = random_indices((batch, s_q, 8), 32)
-        ln = torch.tensor([8, 3], dtype=torch.int32) if lengths else None
-        ecache, eidx, eln = None, None, None
-        if extra:
-            ecache, _ = filled_cache(2, 2)
-            eidx = random_indices((batch, s_q, 4), 4)
-            eln = torch.tensor([0, 4], dtype=torch.int32) if lengths else None
-        q = torch.randn(batch, s_q, heads, 512, dtype=torch.bfloat16)
-        yield pytest.param(
-            (q, cache, page_size, idx, ln, sink(sink_kind, heads), ecache, 2, eidx, eln, None, None, 0.04, 512),
-            id=f"H{heads}-sq{s_q}-extra{int(extra)}-sink{sink_kind}-len{int(lengths)}",
-        )
+    )
+}
 
+PREFILL_CASES = {
+    f"H{heads}-sink{sink_kind}-len{int(lengths)}": (heads, sink_kind, lengths)
+    for heads, sink_kind, lengths in itertools.product((64, 128), ("random", "+inf", "none"), (False, True))
+}
 
-def prefill_samples():
-    torch.manual_seed(0)  # built at collection, before the per-test seed
-    for heads, sink_kind, lengths in itertools.product((64, 128), ("random", "+inf", "none"), (False, True)):
-        s_q, s_kv = 5, 12
-        q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16)
-        kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16)
-        idx = torch.randint(-2, s_kv + 3, (s_q, 1, 8), dtype=torch.int32)  # -1/-2 and >= s_kv included
-        ln = torch.randint(0, 9, (s_q,), dtype=torch.int32) if lengths else None
-        yield pytest.param((q, kv, idx, 0.05, 512, sink(sink_kind, heads), ln), id=f"H{heads}-sink{sink_kind}-len{int(lengths)}")
-
-
-def store_samples():
-    torch.manual_seed(0)  # built at collection, before the per-test seed
-    cases = [
+STORE_CASES = {
+    f"P{p}-pad{int(padded)}-{dtype}-{index_dtype}": (p, padded, dtype, index_dtype)
+    for p, padded, dtype, index_dtype in [
         (1, True, torch.bfloat16, torch.int64), (2, True, torch.bfloat16, torch.int32),
         (16, False, torch.float16, torch.int64), (61, True, torch.float32, torch.int32),
         (64, False, torch.bfloat16, torch.int64), (128, True, torch.bfloat16, torch.int32),
         (256, True, torch.bfloat16, torch.int64), (256, False, torch.float32, torch.int64),
     ]
-    for page_size, padded, dtype, index_dtype in cases:
-        stride = d4.page_bytes(page_size) if padded else page_size * 584
-        cache = d4.alloc_cache(2, page_size, page_stride=stride)
-        kv, w, freqs, pos = store_inputs(6, dtype, index_dtype, max_pos=64)
-        slots = torch.tensor([0, page_size - 1, -1, 2 * page_size - 1, -1, page_size], dtype=index_dtype)
-        yield pytest.param((kv, w, freqs, pos, slots, cache, 1e-6, page_size), id=f"P{page_size}-pad{int(padded)}-{dtype}-{index_dtype}")
-    empty = store_inputs(0, max_pos=8)
-    yield pytest.param((*empty, torch.zeros(0, dtype=torch.int64), d4.alloc_cache(1, 4), 1e-6, 4), id="empty")
+}
+STORE_CASES["empty"] = None
+
+METADATA_CASES = ["plain", "extra"]
 
 
-def metadata_samples():
-    torch.manual_seed(0)  # built at collection, before the per-test seed
+def decode_sample(heads, s_q, extra, sink_kind, lengths):
+    batch, page_size = 2, 16
+    cache, _ = filled_cache(2, page_size, num_tokens=20)
+    idx = random_indices((batch, s_q, 8), 32)
+    ln = torch.tensor([8, 3], dtype=torch.int32) if lengths else None
+    ecache, eidx, eln = None, None, None
+    if extra:
+        ecache, _ = filled_cache(2, 2)
+        eidx = random_indices((batch, s_q, 4), 4)
+        eln = torch.tensor([0, 4], dtype=torch.int32) if lengths else None
+    q = torch.randn(batch, s_q, heads, 512, dtype=torch.bfloat16)
+    return (q, cache, page_size, idx, ln, sink(sink_kind, heads), ecache, 2, eidx, eln, None, None, 0.04, 512)
+
+
+def prefill_sample(heads, sink_kind, lengths):
+    s_q, s_kv = 5, 12
+    q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16)
+    idx = torch.randint(-2, s_kv + 3, (s_q, 1, 8), dtype=torch.int32)  # -1/-2 and >= s_kv included
+    ln = torch.randint(0, 9, (s_q,), dtype=torch.int32) if lengths else None
+    return (q, kv, idx, 0.05, 512, sink(sink_kind, heads), ln)
+
+
+def store_sample(case):
+    if case is None:  # no tokens
+        return (*store_inputs(0, max_pos=8), torch.zeros(0, dtype=torch.int64), d4.alloc_cache(1, 4), 1e-6, 4)
+    page_size, padded, dtype, index_dtype = case
+    stride = d4.page_bytes(page_size) if padded else page_size * 584
+    cache = d4.alloc_cache(2, page_size, page_stride=stride)
+    kv, w, freqs, pos = store_inputs(6, dtype, index_dtype, max_pos=64)
+    slots = torch.tensor([0, page_size - 1, -1, 2 * page_size - 1, -1, page_size], dtype=index_dtype)
+    return (kv, w, freqs, pos, slots, cache, 1e-6, page_size)
+
+
+def metadata_sample(case):
     q = torch.randn(3, 1, 64, 512, dtype=torch.bfloat16)
     idx = random_indices((3, 1, 8), 32)
-    yield pytest.param((q, idx, None, None, None), id="plain")
-    yield pytest.param((q, idx, torch.tensor([1, 2, 3], dtype=torch.int32), random_indices((3, 1, 4), 8),
-                        torch.tensor([0, 4, 4], dtype=torch.int32)), id="extra")
+    if case == "plain":
+        return (q, idx, None, None, None)
+    return (q, idx, torch.tensor([1, 2, 3], dtype=torch.int32), random_indices((3, 1, 4), 8),
+            torch.tensor([0, 4, 4], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("args", decode_samples())
-def test_decode(args):
-    torch.library.opcheck(torch.ops.dsv4.flash_mla_with_kvcache.default, args)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode(case):
+    torch.library.opcheck(torch.ops.dsv4.flash_mla_with_kvcache.default, decode_sample(*DECODE_CASES[case]))
 
 
-@pytest.mark.parametrize("args", prefill_samples())
-def test_prefill(args):
-    torch.library.opcheck(torch.ops.dsv4.flash_mla_sparse_fwd.default, args)
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill(case):
+    torch.library.opcheck(torch.ops.dsv4.flash_mla_sparse_fwd.default, prefill_sample(*PREFILL_CASES[case]))
 
 
-@pytest.mark.parametrize("args", store_samples())
-def test_store(args):
-    torch.library.opcheck(torch.ops.dsv4.fused_k_norm_rope_flashmla.default, args)
+@pytest.mark.parametrize("case", list(STORE_CASES))
+def test_store(case):
+    torch.library.opcheck(torch.ops.dsv4.fused_k_norm_rope_flashmla.default, store_sample(STORE_CASES[case]))
 
 
-@pytest.mark.parametrize("args", metadata_samples())
-def test_metadata(args):
-    torch.library.opcheck(torch.ops.dsv4.get_mla_metadata.default, args)
+@pytest.mark.parametrize("case", METADATA_CASES)
+def test_metadata(case):
+    torch.library.opcheck(torch.ops.dsv4.get_mla_metadata.default, metadata_sample(case))
 
 
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
-    sizes = [len(list(f())) for f in (decode_samples, prefill_samples, store_samples, metadata_samples)]
-    assert sizes == [64, 12, 9, 2]
+    assert [len(c) for c in (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES)] == [64, 12, 9, 2]

@@ -52,9 +52,15 @@ def test_exact_bytes_on_representable_inputs():
     assert torch.equal(cache.view(-1), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_random_values_match_float64(dtype):
+@pytest.mark.parametrize(
+    "dtype,magnitude",
+    # 1e20 (bf16) and 1.5e18 (fp32): sum(x^2) overflows fp32; the RMS must not
+    [(torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.float32, 1.0), (torch.bfloat16, 1e20),
+     (torch.float32, 1.5e18)],
+)
+def test_random_values_match_float64(dtype, magnitude):
     kv, w, freqs, pos = store_inputs(24, dtype)
+    kv = (kv.double() / kv.double().abs().amax() * magnitude * 3).to(dtype)
     page_size = 8
     cache = d4.alloc_cache(4, page_size)
     slots = torch.randperm(32)[:24]
@@ -125,14 +131,14 @@ def test_empty_batch():
     assert not cache.any()
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_index_dtypes_agree(index_dtype):
+@pytest.mark.parametrize("index_dtype,other", [(torch.int32, torch.int64), (torch.int64, torch.int32)])
+def test_index_dtypes_agree(index_dtype, other):
     kv, w, freqs, pos = store_inputs(5)
     slots = torch.tensor([0, 3, 9, 4, 11])
     a, b = d4.alloc_cache(3, 4), d4.alloc_cache(3, 4)
-    STORE(kv, w, freqs, pos, slots, a, 1e-6, 4)
+    STORE(kv, w, freqs, pos.to(other), slots.to(other), a, 1e-6, 4)
     call(STORE, kv, w, freqs, pos.to(index_dtype), slots.to(index_dtype), b, 1e-6, 4)
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and a.any()
 
 
 def test_strided_kv_rows():
@@ -166,3 +172,37 @@ def test_scale_floor_for_zero_tiles():
     floor_exponent = math.ceil(math.log2(1e-4 / 448))  # -22
     assert cache[0, 576:584].tolist() == [127 + floor_exponent] * 7 + [0]
     assert not cache[0, :448].any()
+
+
+NAN_TOKEN = [0x7F] * 448 + [0xC0, 0x7F] * 64, [0xFF] * 7 + [0]  # docs/design.md §2.1
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "weight-inf", "overflow"])
+def test_non_finite_tokens_are_stored_as_nan_tokens(bad):
+    """A token whose normed, rotated values are not all finite is the NaN token (fp8 0x7F, bf16
+    NaN, UE8M0 0xFF); the other tokens of the call are stored as usual."""
+    kv, w, freqs, pos = store_inputs(3, torch.float32)
+    if bad == "weight-inf":
+        w[5] = math.inf
+        rows = [0, 1, 2]
+    else:
+        kv[1, 7] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "overflow": 3e38}[bad]
+        if bad == "overflow":  # finite, but y = x / rms * w overflows fp32 in that dim
+            kv[:, 7] = 0.0  # the other tokens: 0 * 3e38 = 0
+            kv[1] = 1e-30
+            kv[1, 7] = 1.0
+            w[7] = 3e38
+        rows = [1]
+    cache = d4.alloc_cache(2, 4)
+    call(STORE, kv, w, freqs, pos, torch.tensor([2, 5, 6]), cache, 1e-6, 4)
+    for t, slot in enumerate([2, 5, 6]):
+        page, off = divmod(slot, 4)
+        data = cache[page, off * 576 : off * 576 + 576].tolist()
+        scales = cache[page, 4 * 576 + off * 8 : 4 * 576 + off * 8 + 8].tolist()
+        if t in rows:
+            assert (data, scales) == NAN_TOKEN
+            assert d4.gather_dequant(cache, 4, torch.tensor([slot])).isnan().all()
+        else:
+            want_data, want_scales, _ = store_token(
+                kv[t].double().tolist(), w.double().tolist(), freqs[pos[t]].double().tolist(), 1e-6)
+            assert scales == want_scales and data != NAN_TOKEN[0]

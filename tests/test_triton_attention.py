@@ -63,7 +63,15 @@ import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
 from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
-from helpers import run_interpreted_child, store_inputs  # noqa: E402
+from helpers import (  # noqa: E402
+    GARBAGE_BYTES,
+    decode_args_around_garbage,
+    poisoned_decode_args,
+    poisoned_prefill_args,
+    prefill_args_around_garbage,
+    run_interpreted_child,
+    store_inputs,
+)
 
 DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
 PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
@@ -337,6 +345,31 @@ def test_decode_degenerate_shapes(device):
         assert (out.shape, out.stride()) == ((batch, 1, heads, 512), torch.empty(batch, 1, heads, 512).stride())
         assert (lse.shape, lse.stride()) == ((batch, heads, 1), torch.empty(batch, 1, heads).transpose(1, 2).stride())
         assert not out.any() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_reads_nothing_its_row_does_not_reference(device, n, byte, splits):
+    """Garbage (NaN/Inf patterns) in every unreferenced cache byte changes no output bit, split
+    or not."""
+    splits(n)
+    args = decode_args_around_garbage(heads=16, device=device, width=64)
+    assert planned_splits(args) == n
+    clean = ta.flash_mla_with_kvcache(*args)
+    dirty = ta.flash_mla_with_kvcache(*poisoned_decode_args(args, byte))
+    assert clean[0].isfinite().all()
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_reads_nothing_its_row_does_not_reference(device, byte):
+    args = prefill_args_around_garbage(heads=16, device=device)
+    clean = ta.flash_mla_sparse_fwd(*args)
+    dirty = ta.flash_mla_sparse_fwd(*poisoned_prefill_args(args, byte))
+    assert clean[0].isfinite().all()
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ bytes is bounded (a last-bit difference of ``y`` can move a rounding tie) and re
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -251,6 +252,41 @@ def test_exact_bytes_at_rounding_ties(device):
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     expected = run_both(args)
     assert torch.equal(args[5], expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_huge_and_non_finite_rows(device, dtype):
+    """Rows whose sum of squares overflows fp32 are normed as the reference norms them (no
+    overflow); a row with NaN/Inf in kv, or one whose values overflow, is the NaN token, byte for
+    byte; the rows around them are unaffected."""
+    args = list(make_case("cpu", 12, 16, dtype=dtype, holes=0))
+    kv = args[0].float()
+    kv[0] *= 2.0**60  # |x| ~ 1e18: squares overflow fp32
+    kv[1] *= 2.0**-100
+    kv[2, 3], kv[3, 100], kv[4, 500] = math.nan, math.inf, -math.inf
+    kv[5] = 1e-30  # 1 in one dim of a tiny row: y there is ~22.6 * w, overflowing with w ~ 3e37
+    kv[5, 9] = 1.0
+    kv[:, 9] = torch.where(torch.arange(12) == 5, kv[:, 9], 0.0)
+    args[0] = kv.to(dtype)
+    args[1] = args[1].clone()
+    args[1][9] = 3e37 if dtype == torch.float32 else 2.0**125
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    expected = run_both(args)
+    page, off = layout.page_and_offset(args[4][2:6].long().cpu(), 16)
+    for p_, o_ in zip(page.tolist(), off.tolist()):  # the NaN tokens: exactly the reference's bytes
+        data = slice(o_ * layout.DATA_BYTES, (o_ + 1) * layout.DATA_BYTES)
+        assert torch.equal(args[5][p_, data].cpu(), layout.NAN_DATA_RECORD)
+        assert torch.equal(expected[p_, data].cpu(), layout.NAN_DATA_RECORD)
+    finite = torch.ones(12, dtype=torch.bool)
+    finite[2:6] = False
+    slots = args[4].clone()
+    slots[~finite.to(device)] = -1
+    mask = written_mask(args[5], 16, args[4]) & ~written_mask(args[5], 16, slots)
+    assert torch.equal(args[5][mask], expected[mask])  # NaN tokens' data and scale records exact
+    actual = args[5].clone()
+    actual[mask] = expected[mask]
+    assert_matches_reference(actual, expected, 16, slots)
 
 
 @triton.jit

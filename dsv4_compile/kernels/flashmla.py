@@ -102,6 +102,9 @@ class FlashMLAKernels:
         ``extra_topk_length`` and the widths only, reads no key, and returns the fresh metadata.
         """
         batch, s_q, heads = q.shape[:3]
+        if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; the decode will not launch
+            meta_shape, splits_shape = metadata_shapes(q.device, batch, s_q, heads)
+            return (q.new_zeros(meta_shape, dtype=torch.int32), q.new_zeros(splits_shape, dtype=torch.int32))
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
         dummy = _dummy_cache(q.device)
@@ -284,7 +287,7 @@ def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):
     major, _ = _capability(device)
     sms = _num_sms(device)
     divisor = (h // 64) if major == 9 else (1 if h == 64 else 2)
-    return (max(sms // s_q // divisor, 1), 8), (batch + 1,)
+    return (max(sms // max(s_q, 1) // divisor, 1), 8), (batch + 1,)
 
 
 def _num_sms(device: torch.device) -> int:

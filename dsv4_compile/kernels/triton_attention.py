@@ -456,6 +456,8 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     batch, s_q, heads = q.shape[:3]
     out, lse = ops.decode_outputs(q, head_dim_v)
     rows = batch * s_q
+    if rows == 0:  # nothing to launch
+        return out, lse
     has_extra = extra_k_cache is not None
     keys = indices.shape[-1] + (extra_indices.shape[-1] if has_extra else 0)
     config, block_h, splits = decode_plan(q.device, rows, heads, keys)
@@ -499,6 +501,8 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
 def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     s_q, heads = q.shape[:2]
     out, max_logits, lse = ops.prefill_outputs(q, d_v)
+    if s_q == 0:  # nothing to launch
+        return out, max_logits, lse
     config = prefill_config(q.device)
     block_h = _block_h(config, heads)
     length = topk_length if topk_length is not None else indices

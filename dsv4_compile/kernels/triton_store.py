@@ -2,12 +2,14 @@
 
 One program stores ``BLOCK_T`` tokens. Per token, in fp32 (DESIGN.md §2.1, layout §2.2)::
 
-    y     = x * rsqrt(mean(x^2) + eps) * w                              all 512 dims
+    y     = x * rsqrt(mean(x^2) + eps) * w                              all 512 dims, overflow-free
+                                                                        (reference.rms_norm)
     rope  = (a*c - b*s, a*s + b*c) on pairs (y[448+2i], y[449+2i])      bf16, RNE
     e     = ceil(log2(fp32(max(1e-4, amax(|tile|)) / 448)))             7 tiles of 64, exact
     value = e4m3fn(clamp(y * 2^-e, -448, 448))                          RNE, saturating
 
-written as bytes: the 576-byte data record at ``page*S + off*576``, the 8-byte scale record
+a token whose values are not all finite is stored as the NaN token (layout.NAN_DATA_RECORD,
+layout.NAN_SCALE_RECORD), as the reference does; written as bytes: the 576-byte data record at ``page*S + off*576``, the 8-byte scale record
 (``e + 127`` x 7, then a 0 pad byte) at ``page*S + P*576 + off*8``; negative slots write nothing.
 
 Rounding is done in integer arithmetic on the fp32 bit patterns (no fp8 dtype, no
@@ -95,32 +97,26 @@ def _store_kernel(
     scale_ptr = page_ptr + PAGE_SIZE * _DATA_BYTES + off * _SCALE_BYTES  # [BT] 8-byte scale records
     row_ptr = kv_ptr + t.to(tl.int64) * kv_stride
 
-    # y = x * rsqrt(mean(x^2) + eps) * w over all 512 dims
+    # y = x * rsqrt(mean(x^2) + eps) * w over all 512 dims, overflow-free: x scaled by an exact
+    # 2^-k (max|x| into [2, 4), k clamped to [-63, 126]) and eps by 4^-k, as the reference does
     d = tl.arange(0, _HEAD_DIM)
     x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + d * weight_stride).to(tl.float32)
+    amax_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
+    k = tl.minimum(tl.maximum(((amax_bits >> 23) & 0xFF) - 128, -63), 126)
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
+    xs = x * inv[:, None]
     # eps arrives as fp32 from an eager launch but as fp64 from Inductor's launcher: fix it to fp32
     # (the reference adds eps to an fp32 tensor, rounding it to fp32 too)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / _HEAD_DIM) + tl.cast(eps, tl.float32))
-    y = x * rstd[:, None] * w[None, :]
-
-    # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
-    tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
-    e = _ue8m0_exponent(tl.max(tl.abs(tiles), axis=2))  # [BT, 8]
-    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-    scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
-    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX))
-    nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
-    tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
-    k = tl.arange(0, _NUM_TILES + 1)
-    exponent_bytes = tl.where(k[None, :] < _NUM_TILES, e + _BIAS, 0)
-    tl.store(scale_ptr[:, None] + k[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
+    eps_scaled = tl.cast(eps, tl.float32) * inv * inv
+    rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) * (1.0 / _HEAD_DIM) + eps_scaled)
+    y = xs * rstd[:, None] * w[None, :]
 
     # interleaved RoPE on dims 448..511 with freqs[pos] = (c0, s0, c1, s1, ...)
     r = tl.arange(0, _ROPE_DIM)
     xr = tl.load(row_ptr[:, None] + _NOPE_DIM + r[None, :], mask=live[:, None], other=0.0)
     wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
-    yr = xr.to(tl.float32) * rstd[:, None] * wr[None, :]
+    yr = xr.to(tl.float32) * inv[:, None] * rstd[:, None] * wr[None, :]
     cs = tl.load(
         freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1,
         mask=live[:, None], other=0.0,
@@ -128,7 +124,27 @@ def _store_kernel(
     a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
     c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
     rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
-    code = _bf16_bits(rope)
+
+    # a token with a non-finite value (dims 0..447 of y, or the rotated RoPE dims) is a NaN token
+    nope_ok = (y == y) & (tl.abs(y) != float("inf")) | (d[None, :] >= _NOPE_DIM)
+    rope_ok = (rope == rope) & (tl.abs(rope) != float("inf"))
+    finite = (tl.min(nope_ok.to(tl.int32), axis=1) * tl.min(rope_ok.to(tl.int32), axis=1)) != 0
+
+    # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
+    tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
+    e = _ue8m0_exponent(tl.max(tl.abs(tiles), axis=2))  # [BT, 8]
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
+    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX))
+    fp8 = tl.where(finite[:, None], fp8, 0x7F)
+    nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
+    tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
+    kk = tl.arange(0, _NUM_TILES + 1)
+    exponent_bytes = tl.where(finite[:, None], e + _BIAS, 0xFF)
+    exponent_bytes = tl.where(kk[None, :] < _NUM_TILES, exponent_bytes, 0)
+    tl.store(scale_ptr[:, None] + kk[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
+
+    code = tl.where(finite[:, None], _bf16_bits(rope), 0x7FC0)
     rope_bytes = tl.reshape(tl.join(code & 0xFF, code >> 8), (BLOCK_T, 2 * _ROPE_DIM))  # little-endian
     rb = tl.arange(0, 2 * _ROPE_DIM)
     tl.store(data_ptr[:, None] + _NOPE_DIM + rb[None, :], rope_bytes.to(tl.uint8), mask=live[:, None])

@@ -1,0 +1,91 @@
+"""The reference's memory is bounded: each op's peak RSS stays within its outputs plus
+``reference.CHUNK_BYTES`` (and allocator slack), whatever the batch, head count or index width.
+
+The reference serves CPU, is the fallback on every device and is the test oracle: a 512-row decode
+over 2048 keys must not cost gigabytes. Each case runs in a fresh process, which resets its peak
+(``VmHWM``, via ``/proc/self/clear_refs``) after building the inputs and measures the call.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dsv4_compile.kernels import reference
+
+SLACK = 16 << 20  # allocator and interpreter noise
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, dsv4_compile as d4
+    torch.set_num_threads(2)
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    c = d4.alloc_cache(2, 4)  # warm-up with small inputs: lazy initialisation, thread pools
+    d4.fused_k_norm_rope_flashmla(torch.randn(3, 512, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16),
+                                  torch.randn(8, 64), torch.arange(3), torch.arange(3), c, 1e-6, 4)
+    d4.flash_mla_with_kvcache(torch.randn(2, 1, 8, 512, dtype=torch.bfloat16), c, 4, torch.zeros(2, 1, 5, dtype=torch.int32))
+    d4.flash_mla_sparse_fwd(torch.randn(2, 8, 512, dtype=torch.bfloat16), torch.randn(3, 1, 512, dtype=torch.bfloat16),
+                            torch.zeros(2, 1, 5, dtype=torch.int32), 0.1)
+
+    op = sys.argv[1]
+    if op == "decode":  # B=512 rows, H=64, 2048 indices, every one valid
+        q = torch.empty(512, 1, 64, 512, dtype=torch.bfloat16).normal_()
+        cache = d4.alloc_cache(64, 64)
+        idx = torch.randint(0, 64 * 64, (512, 1, 2048), dtype=torch.int32)
+        run = lambda: d4.flash_mla_with_kvcache(q, cache, 64, idx)
+        outputs = q.numel() * 2 + 512 * 64 * 4
+    elif op == "prefill":  # s_q=512, H=64, 2048 indices into 4096 rows
+        q = torch.empty(512, 64, 512, dtype=torch.bfloat16).normal_()
+        kv = torch.empty(4096, 1, 512, dtype=torch.bfloat16).normal_()
+        idx = torch.randint(0, 4096, (512, 1, 2048), dtype=torch.int32)
+        run = lambda: d4.flash_mla_sparse_fwd(q, kv, idx, 0.04)
+        outputs = q.numel() * 2 + 2 * 512 * 64 * 4
+    else:  # the store: 65536 tokens
+        cache = d4.alloc_cache(256, 256)
+        kv = torch.empty(65536, 512, dtype=torch.bfloat16).normal_()
+        w, freqs = torch.ones(512, dtype=torch.bfloat16), torch.randn(65536, 64)
+        pos, slots = torch.arange(65536), torch.randperm(65536)
+        run = lambda: d4.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, 256)
+        outputs = 0
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    result = run()
+    print(status("VmHWM") - before, outputs)
+    """
+)
+
+
+def _clear_refs_works() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_works(),
+                    reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.parametrize("op", ["decode", "prefill", "store"])
+def test_peak_memory_is_bounded(op, request):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.pop("DSV4_COMPILE_PROVIDER", None)
+    child = subprocess.run([sys.executable, "-c", SCRIPT, op], capture_output=True, text=True, env=env, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    peak, outputs = map(int, child.stdout.split())
+    from helpers import report
+
+    report(request.config, f"reference {op}: peak {peak / 2**20:.0f} MB above its inputs "
+                           f"(outputs {outputs / 2**20:.0f} MB, bound {reference.CHUNK_BYTES / 2**20:.0f} MB + slack)")
+    assert peak <= outputs + reference.CHUNK_BYTES + SLACK
