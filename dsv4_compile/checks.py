@@ -7,8 +7,11 @@ Two levels:
   CUDA-graph capture.
 * **Data checks** (slots and indices in range, positions inside ``freqs``, lengths <= widths) read
   tensor values, which on a GPU means a device sync. They run in *checked mode* only — enabled by
-  :func:`checked` or ``DSV4_COMPILE_CHECKED=1`` — and always in the CPU reference, where reading
-  values is free.
+  :func:`checked` or ``DSV4_COMPILE_CHECKED=1`` — and always before a provider that indexes with
+  those values unchecked (the reference: ``Provider.checks_data``).
+
+``check_<op>(*args)`` are the metadata checks (the fakes and the op kernels run them on every call);
+``check_<op>_data(*args)`` the data checks, on arguments that passed the metadata checks.
 
 Every failure names the op, the argument, what was expected and what was got. All checks of a call
 run before anything is written, so a rejected call leaves every cache byte unchanged.
@@ -31,15 +34,21 @@ CHECKED_ENV = "DSV4_COMPILE_CHECKED"
 #: far below where int32 slot arithmetic or a kernel's workspace would break. Wider is rejected
 #: before anything is allocated (e.g. a stride-0 ``expand`` to 2^31 columns).
 MAX_INDEX_WIDTH = 1 << 20
-_state = threading.local()
+_state = threading.local()  # .checked: the innermost checked()'s flag
+_env_checked = False  # DSV4_COMPILE_CHECKED, as last read
+
+
+def read_environment() -> None:
+    """Read ``DSV4_COMPILE_CHECKED`` (at import, and by ``dispatch.reset()``)."""
+    global _env_checked
+    _env_checked = os.environ.get(CHECKED_ENV, "0").lower() not in ("", "0", "false", "no", "off")
 
 
 def checked_mode() -> bool:
-    """Whether data checks run on device kernels (see module docstring)."""
+    """Whether data checks run on device kernels (see module docstring): the innermost
+    :func:`checked` block, else ``DSV4_COMPILE_CHECKED`` as read at import or ``dispatch.reset()``."""
     flag = getattr(_state, "checked", None)
-    if flag is not None:
-        return flag
-    return os.environ.get(CHECKED_ENV, "0").lower() not in ("", "0", "false", "no", "off")
+    return _env_checked if flag is None else flag
 
 
 @contextlib.contextmanager
@@ -47,7 +56,8 @@ def checked(enabled: bool = True) -> Iterator[None]:
     """Enable (or disable) data checks for the calls made inside the block, on every device.
 
     Checks happen when the op *runs*, so this works around eager calls and around calls of an
-    already compiled function alike. Checked mode syncs the device: do not capture CUDA graphs in it.
+    already compiled function alike (except Triton launches traced into a graph: see the README).
+    Checked mode syncs the device: do not capture CUDA graphs in it.
     """
     previous = getattr(_state, "checked", None)
     _state.checked = enabled
@@ -68,7 +78,10 @@ def _describe(t) -> str:
 
 
 class Checker:
-    """Validation helpers bound to one op name, so every message starts with it."""
+    """Validation helpers bound to one op name, so every message starts with it. The checks run
+    on every call: each passes with a few comparisons and builds its message only on failure."""
+
+    __slots__ = ("op",)
 
     def __init__(self, op: str):
         self.op = op
@@ -76,49 +89,52 @@ class Checker:
     def fail(self, arg: str, expected: str, got, exc: type[Exception] = ValueError):
         raise exc(f"dsv4.{self.op}: {arg} must be {expected}, got {_describe(got)}")
 
-    def tensor(
-        self,
-        arg: str,
-        t,
-        dtypes: Sequence[torch.dtype],
-        shape: Sequence[int | None],
-        device: torch.device | None = None,
-    ) -> torch.Tensor:
-        """Check type, dtype, rank, sizes (``None`` = any) and device of one tensor argument."""
-        ok = (
-            isinstance(t, torch.Tensor)
-            and t.dtype in dtypes
-            and t.dim() == len(shape)
-            and all(s is None or s == n for s, n in zip(shape, t.shape))
-        )
-        if not ok:  # messages are built only on failure: this runs on every call
-            names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-            dims = ", ".join("*" if s is None else str(s) for s in shape)
-            expected = f"{names} [{dims}]"
-            if not isinstance(t, torch.Tensor):
-                self.fail(arg, f"a tensor {expected}", t, TypeError)
-            self.fail(arg, expected, t, TypeError if t.dtype not in dtypes else ValueError)
-        if device is not None and t.device != device:
-            raise ValueError(
-                f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {t.device}"
-            )
-        return t
+    def same_device(self, names: tuple[str, ...], *values) -> torch.device:
+        """The device the tensors among ``values`` (``None`` skipped) share. Otherwise the odd one
+        out is named (``names`` are the values' argument names): the first argument not on the
+        device most of them are on (ties: the device of the earliest)."""
+        device = None
+        for t in values:
+            if t is not None:
+                if device is None:
+                    device = t.device
+                elif t.device != device:
+                    self._device_failure(names, values)
+        return device
 
-    def same_device(self, **tensors) -> torch.device | None:
-        """The device all tensor arguments share (``None`` and non-tensors are skipped). Otherwise
-        the odd one out is named: the first argument not on the device most arguments are on
-        (ties: the device of the earliest argument)."""
-        placed = [(arg, t.device) for arg, t in tensors.items() if isinstance(t, torch.Tensor)]
-        if not placed:
-            return None  # the type checks that follow name the argument
-        first = placed[0][1]
-        if all(d == first for _, d in placed):
-            return first
+    def _device_failure(self, names, values):
+        placed = [(arg, t.device) for arg, t in zip(names, values) if isinstance(t, torch.Tensor)]
         devices = [d for _, d in placed]
         majority = max(dict.fromkeys(devices), key=devices.count)  # first-seen wins ties
         odd, got = next((arg, d) for arg, d in placed if d != majority)
         like = ", ".join(arg for arg, d in placed if d == majority)
         raise ValueError(f"dsv4.{self.op}: {odd} must be on {majority} like {like}, got {got}")
+
+    def tensor(self, arg: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int | None]) -> torch.Tensor:
+        """Check type, dtype, rank and sizes (``None`` = any) of one tensor argument."""
+        if isinstance(t, torch.Tensor) and t.dtype in dtypes:
+            size = t.shape
+            if len(size) == len(shape):
+                for want, got in zip(shape, size):
+                    if want is not None and want != got:
+                        break
+                else:
+                    return t
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        dims = ", ".join("*" if n is None else str(n) for n in shape)
+        expected = f"{names} [{dims}]"
+        if not isinstance(t, torch.Tensor):
+            self.fail(arg, f"a tensor {expected}", t, TypeError)
+        self.fail(arg, expected, t, TypeError if t.dtype not in dtypes else ValueError)
+
+    def optional(self, arg, t, dtypes, shape) -> None:
+        if t is not None:
+            self.tensor(arg, t, dtypes, shape)
+
+    def positive_int(self, arg: str, value) -> int:
+        if type(value) is not int or value < 1:  # bool is no int here
+            self.fail(arg, "a positive int", value)
+        return value
 
     def width(self, arg: str, t: torch.Tensor) -> int:
         """The index width (last dim) of ``t``, at most :data:`MAX_INDEX_WIDTH`."""
@@ -126,16 +142,7 @@ class Checker:
             self.fail(arg, f"at most {MAX_INDEX_WIDTH} index columns wide", t)
         return t.shape[-1]
 
-    def optional(self, arg, t, dtypes, shape, device) -> None:
-        if t is not None:
-            self.tensor(arg, t, dtypes, shape, device)
-
-    def positive_int(self, arg: str, value) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.fail(arg, "a positive int", value)
-        return value
-
-    def cache(self, arg: str, cache, page_size: int, device: torch.device) -> None:
+    def cache(self, arg: str, cache, page_size: int) -> None:
         """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * 584."""
         if (
             isinstance(cache, torch.Tensor)
@@ -144,7 +151,6 @@ class Checker:
             and cache.shape[0] >= 1
             and cache.shape[1] >= page_size * layout.TOKEN_BYTES
             and cache.is_contiguous()
-            and cache.device == device
         ):
             return
         expected = f"the uint8 base cache tensor [num_pages, >= page_size*584={page_size * layout.TOKEN_BYTES}]"
@@ -161,17 +167,12 @@ class Checker:
             self.fail(arg, expected, cache)
         if cache.shape[0] < 1:
             self.fail(arg, f"{expected} with at least one page", cache)
-        if not cache.is_contiguous():
-            self.fail(
-                arg,
-                f"{expected} and contiguous (its row length is the page stride); pass the base "
-                f"tensor, not a slice of it",
-                f"{_describe(cache)} with strides {tuple(cache.stride())}",
-            )
-        if cache.device != device:
-            raise ValueError(
-                f"dsv4.{self.op}: {arg} must be on {device} like the other inputs, got {cache.device}"
-            )
+        self.fail(
+            arg,
+            f"{expected} and contiguous (its row length is the page stride); pass the base "
+            f"tensor, not a slice of it",
+            f"{_describe(cache)} with strides {tuple(cache.stride())}",
+        )
 
     def lengths_within(self, arg: str, lengths, width: int) -> None:
         """Data check: ``0 <= lengths <= width``."""
@@ -201,11 +202,6 @@ class Checker:
             )
 
 
-def data_checks_apply(device: torch.device) -> bool:
-    """Data checks run always on CPU (reading values is free there), elsewhere in checked mode."""
-    return device.type == "cpu" or checked_mode()
-
-
 def counted_mask(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor | None:
     """``[..., K]`` bool: entry ``j`` of a row counts iff ``j < topk_length`` of its batch row."""
     if topk_length is None:
@@ -217,127 +213,153 @@ def counted_mask(indices: torch.Tensor, topk_length: torch.Tensor | None) -> tor
 
 
 # --------------------------------------------------------------------------------------------
-# Per-op checks. Each returns the sizes the fake and the kernels need. ``data=False`` (the fakes)
-# skips the data checks; ``data=True`` (the kernels) runs them where data_checks_apply().
+# Per-op checks. ``check_<op>`` (metadata) returns the sizes the fake and the kernels need;
+# ``check_<op>_data`` reads values (a device sync on a GPU).
 # --------------------------------------------------------------------------------------------
 
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_BF16 = (torch.bfloat16,)
+_F32 = (torch.float32,)
+_I32 = (torch.int32,)
+_STORE_TENSORS = ("kv", "kv_weight", "freqs", "positions", "out_loc", "kvcache")
+_DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
+                   "extra_topk_length", "tile_scheduler_metadata", "num_splits")
+_PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
+_METADATA_TENSORS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
+_STORE = Checker("fused_k_norm_rope_flashmla")
+_DECODE = Checker("flash_mla_with_kvcache")
+_PREFILL = Checker("flash_mla_sparse_fwd")
+_METADATA = Checker("get_mla_metadata")
 
 
-def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, *, data: bool) -> int:
-    c = Checker("fused_k_norm_rope_flashmla")
-    device = c.same_device(kv=kv, kv_weight=kv_weight, freqs=freqs, positions=positions,
-                           out_loc=out_loc, kvcache=kvcache)
-    c.tensor("kv", kv, _STORE_DTYPES, [None, layout.HEAD_DIM])
+def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> int:
+    c = _STORE
+    c.same_device(_STORE_TENSORS, kv, kv_weight, freqs, positions, out_loc, kvcache)
+    c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))
     num_tokens = kv.shape[0]
     if kv.stride(1) != 1:
         c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
-    c.tensor("kv_weight", kv_weight, (kv.dtype,), [layout.HEAD_DIM], device)
-    c.tensor("freqs", freqs, (torch.float32,), [None, layout.ROPE_DIM], device)
-    c.tensor("positions", positions, _INDEX_DTYPES, [num_tokens], device)
-    c.tensor("out_loc", out_loc, _INDEX_DTYPES, [num_tokens], device)
+    c.tensor("kv_weight", kv_weight, (kv.dtype,), (layout.HEAD_DIM,))
+    c.tensor("freqs", freqs, _F32, (None, layout.ROPE_DIM))
+    c.tensor("positions", positions, _INDEX_DTYPES, (num_tokens,))
+    c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
     c.positive_int("page_size", page_size)
-    c.cache("kvcache", kvcache, page_size, device)
-    if not isinstance(eps, float) or not eps >= 0.0:
+    c.cache("kvcache", kvcache, page_size)
+    if type(eps) is not float or not eps >= 0.0:
         c.fail("eps", "a non-negative float", eps)
-    if data and data_checks_apply(device) and num_tokens > 0:
-        c.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= freqs.shape[0]:
-            c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
     return num_tokens
+
+
+def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
+    if kv.shape[0] == 0:
+        return
+    c = _STORE
+    c.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= freqs.shape[0]:
+        c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
 def check_decode(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, *, data: bool,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
 ) -> tuple[int, int, int]:
-    c = Checker("flash_mla_with_kvcache")
-    device = c.same_device(
-        q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
-        extra_k_cache=extra_k_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
+    c = _DECODE
+    c.same_device(
+        _DECODE_TENSORS, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+        extra_topk_length, tile_scheduler_metadata, num_splits,
     )
-    c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
+    c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
     batch, s_q, heads = q.shape[:3]
     c.positive_int("page_size", page_size)
-    c.cache("k_cache", k_cache, page_size, device)
-    c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.cache("k_cache", k_cache, page_size)
+    c.tensor("indices", indices, _I32, (batch, s_q, None))
     c.width("indices", indices)
-    c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
-    c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
+    c.optional("topk_length", topk_length, _I32, (batch,))
+    c.optional("attn_sink", attn_sink, _F32, (heads,))
     if extra_k_cache is None:
         for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length)):
             if value is not None:
                 c.fail(arg, "None when extra_k_cache is None", value)
     else:
         c.positive_int("extra_page_size", extra_page_size)
-        c.cache("extra_k_cache", extra_k_cache, extra_page_size, device)
+        c.cache("extra_k_cache", extra_k_cache, extra_page_size)
         if extra_indices is None:
             c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
-        c.tensor("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+        c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None))
         c.width("extra_indices", extra_indices)
-        c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)
+        c.optional("extra_topk_length", extra_topk_length, _I32, (batch,))
     if (tile_scheduler_metadata is None) != (num_splits is None):
         c.fail(
             "tile_scheduler_metadata/num_splits", "both None or both tensors (from get_mla_metadata)",
             (tile_scheduler_metadata, num_splits),
         )
-    for arg, t in (("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)):
-        if t is not None:
-            c.tensor(arg, t, (torch.int32,), [None] * t.dim(), device)
+    if tile_scheduler_metadata is not None:
+        c.tensor("tile_scheduler_metadata", tile_scheduler_metadata, _I32, (None,) * tile_scheduler_metadata.dim())
+        c.tensor("num_splits", num_splits, _I32, (None,) * num_splits.dim())
     if head_dim_v != layout.HEAD_DIM:
         c.fail("head_dim_v", f"{layout.HEAD_DIM} (V is the full key)", head_dim_v)
-    if not isinstance(softmax_scale, float):
+    if type(softmax_scale) is not float:
         c.fail("softmax_scale", "a float", softmax_scale, TypeError)
-    if data and data_checks_apply(device):
-        c.lengths_within("topk_length", topk_length, indices.shape[-1])
-        c.slots_valid("indices", indices, layout.capacity(k_cache, page_size),
-                      counted_mask(indices, topk_length))
-        if extra_k_cache is not None:
-            c.lengths_within("extra_topk_length", extra_topk_length, extra_indices.shape[-1])
-            c.slots_valid("extra_indices", extra_indices, layout.capacity(extra_k_cache, extra_page_size),
-                          counted_mask(extra_indices, extra_topk_length))
     return batch, s_q, heads
 
 
-def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, *, data: bool) -> tuple[int, int]:
-    c = Checker("flash_mla_sparse_fwd")
-    device = c.same_device(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
-    c.tensor("q", q, (torch.bfloat16,), [None, None, layout.HEAD_DIM])
+def check_decode_data(
+    q, k_cache, page_size, indices, topk_length, attn_sink,
+    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+) -> None:
+    c = _DECODE
+    c.lengths_within("topk_length", topk_length, indices.shape[-1])
+    c.slots_valid("indices", indices, layout.capacity(k_cache, page_size), counted_mask(indices, topk_length))
+    if extra_k_cache is not None:
+        c.lengths_within("extra_topk_length", extra_topk_length, extra_indices.shape[-1])
+        c.slots_valid("extra_indices", extra_indices, layout.capacity(extra_k_cache, extra_page_size),
+                      counted_mask(extra_indices, extra_topk_length))
+
+
+def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
+    c = _PREFILL
+    c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
+    c.tensor("q", q, _BF16, (None, None, layout.HEAD_DIM))
     s_q, heads = q.shape[:2]
-    c.tensor("kv", kv, (torch.bfloat16,), [None, 1, layout.HEAD_DIM], device)
-    c.tensor("indices", indices, (torch.int32,), [s_q, 1, None], device)
+    c.tensor("kv", kv, _BF16, (None, 1, layout.HEAD_DIM))
+    c.tensor("indices", indices, _I32, (s_q, 1, None))
     c.width("indices", indices)
-    c.optional("attn_sink", attn_sink, (torch.float32,), [heads], device)
-    c.optional("topk_length", topk_length, (torch.int32,), [s_q], device)
+    c.optional("attn_sink", attn_sink, _F32, (heads,))
+    c.optional("topk_length", topk_length, _I32, (s_q,))
     if d_v != layout.HEAD_DIM:
         c.fail("d_v", f"{layout.HEAD_DIM} (V is the full key)", d_v)
-    if not isinstance(sm_scale, float):
+    if type(sm_scale) is not float:
         c.fail("sm_scale", "a float", sm_scale, TypeError)
-    if data and data_checks_apply(device):
-        c.lengths_within("topk_length", topk_length, indices.shape[-1])
     return s_q, heads
 
 
-def check_metadata(
-    q, indices, topk_length, extra_indices, extra_topk_length, *, data: bool = False
-) -> tuple[int, int, int]:
-    """(Metadata only: nothing here depends on tensor values; ``data`` is accepted for symmetry.)"""
-    c = Checker("get_mla_metadata")
-    device = c.same_device(q=q, indices=indices, topk_length=topk_length, extra_indices=extra_indices,
-                           extra_topk_length=extra_topk_length)
-    c.tensor("q", q, (torch.bfloat16,), [None, None, None, layout.HEAD_DIM])
+def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> None:
+    _PREFILL.lengths_within("topk_length", topk_length, indices.shape[-1])
+
+
+def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
+    c = _METADATA
+    c.same_device(_METADATA_TENSORS, q, indices, topk_length, extra_indices, extra_topk_length)
+    c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
     batch, s_q, heads = q.shape[:3]
-    c.tensor("indices", indices, (torch.int32,), [batch, s_q, None], device)
+    c.tensor("indices", indices, _I32, (batch, s_q, None))
     c.width("indices", indices)
-    c.optional("topk_length", topk_length, (torch.int32,), [batch], device)
-    c.optional("extra_indices", extra_indices, (torch.int32,), [batch, s_q, None], device)
+    c.optional("topk_length", topk_length, _I32, (batch,))
     if extra_indices is not None:
+        c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None))
         c.width("extra_indices", extra_indices)
-    if extra_indices is None and extra_topk_length is not None:
+    elif extra_topk_length is not None:
         c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
-    c.optional("extra_topk_length", extra_topk_length, (torch.int32,), [batch], device)
+    c.optional("extra_topk_length", extra_topk_length, _I32, (batch,))
     return batch, s_q, heads
+
+
+def check_metadata_data(q, indices, topk_length, extra_indices, extra_topk_length) -> None:
+    """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
+
+
+read_environment()

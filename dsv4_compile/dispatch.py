@@ -1,18 +1,24 @@
 """Providers: which implementation serves each ``dsv4`` op on each device, and how to override it.
 
-A *provider* is a named set of kernels for one device type (``"cuda"``, ``"xpu"``, ...) — e.g.
-FlashMLA on CUDA, sgl-kernel-xpu on XPU, a Triton kernel — registered with a priority. The
-``reference`` provider (plain PyTorch, :mod:`dsv4_compile.kernels.reference`) serves every device
-and comes last. Resolution is lazy: the first call of an op on a device imports the provider's
-library and checks that it supports the device; the answer is cached per (op, device).
+A *provider* is a named set of kernels for one device type (``"cuda"``, ``"xpu"``, ...) — FlashMLA
+on CUDA, sgl-kernel-xpu on XPU, our Triton kernels, the plain-PyTorch reference. Each kernel module
+registers its own entries (:func:`register_provider`) at import, without importing any library;
+their order is :data:`RANKING`, in this one place. A provider may declare a :class:`Rule` per op:
+a condition on the call (a page size, a page stride) it needs; a call that fails it goes to the
+next provider, with one warning.
 
-The op kernel registered for a dispatch key (``CPU``, ``CUDA``, ``XPU``) is a small trampoline
-that asks :func:`kernel_for` and calls what it returns. So the dispatcher picks the device, this
-module picks the provider, and no caller ever branches on either.
+Resolution is lazy and cached: the first call of an op on a device, with a given *call signature*
+(the properties rules look at: ``ops.CALLS``) and override, loads the candidates (importing their
+libraries), applies the rules and remembers the kernel. Every later call with that signature is one
+dict lookup. The op kernel registered for a dispatch key (``CPU``, ``CUDA``, ``XPU``) is
+:func:`backend_kernel`: validate, look up, call. So the dispatcher picks the device, this module
+picks the provider, and no caller ever branches on either.
 
 Override: ``DSV4_COMPILE_PROVIDER=reference`` (environment) or ``with use_provider("reference"):``
-forces one provider for every op (or for the ops named). A forced provider that cannot serve a
-device is an error, never a silent substitute.
+forces one provider for every op (or for the ops named). A forced provider that cannot serve a call
+is an error, never a silent substitute. The environment is read at import and by :func:`reset`,
+not on every call; :func:`use_provider` applies when the op runs, so it also steers already
+compiled functions whose ops stayed opaque.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from . import checks
+
 OPS = (
     "fused_k_norm_rope_flashmla",
     "flash_mla_with_kvcache",
@@ -34,10 +42,31 @@ OPS = (
 )
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"
+DECODE, METADATA = "flash_mla_with_kvcache", "get_mla_metadata"
+
+#: Priorities of the providers this package ships (higher wins where several can serve a call):
+#: vendor libraries first, then our Triton kernels, then the reference, which serves everything.
+RANKING = {
+    "sgl_kernel_xpu": 100,  # sgl-kernel-xpu on Intel GPUs (kernels/xpu.py)
+    "sgl_kernel": 30,  # FlashMLA in sgl-kernel's sgl_kernel.flash_mla (kernels/flashmla.py)
+    "flashmla": 20,  # FlashMLA's legacy kernels in sgl-flash-mla (kernels/flashmla.py)
+    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py)
+    REFERENCE: -1000,  # plain PyTorch, every device (kernels/reference.py)
+}
 
 
 class ProviderUnavailable(RuntimeError):
-    """A provider cannot serve a device (library missing, unsupported GPU, ...)."""
+    """A provider cannot serve a device (library missing, unsupported GPU, ...) or a call."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a provider needs of one call of an op, beyond the device: ``accepts(device, call)``
+    on the call's signature (``ops.CALLS``: page size, page strides, ...), and the same condition
+    in words for :func:`provider_chain` and the fallback warning."""
+
+    needs: str
+    accepts: Callable[[torch.device, tuple], bool]
 
 
 @dataclass
@@ -46,75 +75,105 @@ class Provider:
 
     ``load(device)`` imports what the provider needs and returns ``{op: kernel}`` for the ops it
     serves on that device, or raises :class:`ProviderUnavailable` saying why not. Kernels take the
-    op's arguments positionally, in schema order.
+    op's arguments positionally, in schema order, validated (``ops.CHECKS``). Several entries may
+    share a name (one per kernel module); forcing the name forces them all.
     """
 
     name: str
     device_type: str  # "cuda", "xpu", "cpu", ... or "*" for every device type
     load: Callable[[torch.device], Mapping[str, Callable]]
-    priority: int = 0  # higher wins
     ops: tuple[str, ...] = OPS  # the ops it can serve (when available)
+    priority: int | None = None  # higher wins; default RANKING[name]
     #: a fallback (a slower path: Triton, the reference) warns once when it serves an op because
-    #: a provider above it could not
+    #: a provider above it is unavailable (any provider warns once when it serves a call a rule of a
+    #: provider above it refused)
     fallback: bool = False
-    #: ``(device, batch, s_q, heads) -> (metadata shape, num_splits shape)`` for a provider whose
-    #: ``get_mla_metadata`` returns a real scheduler; ``None``: two empty tensors.
-    metadata_shapes: Callable | None = None
+    #: per op, what the provider needs of a call (absent: any call of a served device)
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+    #: run the ops' data checks (slots, indices, lengths, positions in range) before every call,
+    #: not only in checked mode: the kernels index with those values (the reference does)
+    checks_data: bool = False
+
+    def __post_init__(self):
+        if self.priority is None:
+            self.priority = RANKING[self.name]
 
 
 @dataclass
 class _Registry:
     providers: list[Provider] = field(default_factory=list)
-    cache: dict = field(default_factory=dict)
+    loaded: dict = field(default_factory=dict)  # (provider entry, device) -> kernels or the exception
+    resolved: dict = field(default_factory=lambda: {op: {} for op in OPS})  # op -> key -> (kernel, data)
     warned: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    env_forced: dict | None = None  # DSV4_COMPILE_PROVIDER, parsed by reset()
+    metadata_shapes: dict = field(default_factory=dict)  # device type -> shapes function
 
 
 _registry = _Registry()
-_override = threading.local()
+_local = threading.local()  # .forced: the innermost use_provider's {op: name}
+
+
+def _key(p: Provider) -> tuple:
+    return p.name, p.device_type, p.ops
 
 
 def register_provider(provider: Provider) -> None:
-    """Add (or replace, by name and device type) a provider and forget cached resolutions."""
+    """Add (or replace: same name, device type and ops) a provider; forget cached resolutions."""
     with _registry.lock:
-        _registry.providers = [
-            p for p in _registry.providers
-            if (p.name, p.device_type) != (provider.name, provider.device_type)
-        ]
+        _registry.providers = [p for p in _registry.providers if _key(p) != _key(provider)]
         _registry.providers.append(provider)
         _registry.providers.sort(key=lambda p: -p.priority)
-        _registry.cache.clear()
+        _forget()
 
 
 def unregister_provider(name: str, device_type: str) -> None:
-    """Remove a provider (no error if absent) and forget cached resolutions."""
+    """Remove every entry of a provider for ``device_type`` (none: no error); forget resolutions."""
     with _registry.lock:
         _registry.providers = [
             p for p in _registry.providers if (p.name, p.device_type) != (name, device_type)
         ]
-        _registry.cache.clear()
+        _forget()
 
 
 def registered_providers(device_type: str) -> list[str]:
     """Names of the providers registered for ``device_type``, best first."""
-    return [p.name for p in _candidates(device_type)]
+    return list(dict.fromkeys(p.name for p in _candidates(device_type)))
+
+
+def register_metadata_shapes(device_type: str, shapes: Callable | None) -> None:
+    """``shapes(device, batch, s_q, heads) -> (metadata shape, num_splits shape)``: the geometry
+    of ``get_mla_metadata``'s outputs on ``device_type``, the same for every provider there (so a
+    graph traced under one provider runs under another). Unregistered device types: ``(0,)``.
+    ``None`` removes the entry."""
+    if shapes is None:
+        _registry.metadata_shapes.pop(device_type, None)
+    else:
+        _registry.metadata_shapes[device_type] = shapes
+
+
+def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int) -> tuple[tuple, tuple]:
+    """The shapes of ``get_mla_metadata``'s outputs on ``device`` (see :func:`register_metadata_shapes`)."""
+    shapes = _registry.metadata_shapes.get(device.type)
+    return ((0,), (0,)) if shapes is None else shapes(device, batch, s_q, heads)
+
+
+def _forget() -> None:
+    _registry.loaded.clear()
+    for table in _registry.resolved.values():
+        table.clear()
 
 
 def reset() -> None:
-    """Forget cached resolutions and warnings (tests; after installing a library at run time)."""
+    """Forget cached resolutions and warnings, and re-read the environment
+    (``DSV4_COMPILE_PROVIDER``, ``DSV4_COMPILE_CHECKED``): after changing it, or installing a
+    library at run time. Raises ``ValueError`` for a malformed ``DSV4_COMPILE_PROVIDER``."""
     with _registry.lock:
-        _registry.cache.clear()
+        _forget()
         _registry.warned.clear()
-
-
-def _forced() -> dict[str, str] | None:
-    forced = getattr(_override, "forced", None)
-    if forced is not None:
-        return forced
-    env = os.environ.get(PROVIDER_ENV, "").strip()
-    if not env:
-        return None
-    return _parse_override(env)
+        env = os.environ.get(PROVIDER_ENV, "").strip()
+        _registry.env_forced = _parse_override(env) if env else None
+        checks.read_environment()
 
 
 def _parse_override(spec: str) -> dict[str, str]:
@@ -124,32 +183,49 @@ def _parse_override(spec: str) -> dict[str, str]:
     forced = {}
     for item in spec.split(","):
         op, _, name = item.partition("=")
-        op, name = op.strip(), name.strip()
+        forced[op.strip()] = name.strip()
+    return _forcing(forced, PROVIDER_ENV)
+
+
+def _forcing(forced: dict[str, str], where: str) -> dict[str, str]:
+    """Check an override's ops; scheduler metadata follows the decode's provider (a schedule is
+    meaningful only to the kernel that made it), so forcing the decode forces it too."""
+    for op in forced:
         if op not in OPS:
-            raise ValueError(f"{PROVIDER_ENV}: unknown op {op!r}; expected one of {OPS}")
-        forced[op] = name
+            raise ValueError(f"{where}: unknown op {op!r}; expected one of {OPS}")
+    if METADATA in forced and forced[METADATA] != forced.get(DECODE):
+        raise ValueError(
+            f"{where}: {METADATA} follows {DECODE}'s provider (its schedule is meaningful only to "
+            f"that kernel): force {DECODE} instead"
+        )
+    if DECODE in forced:
+        forced[METADATA] = forced[DECODE]
     return forced
+
+
+def forced_providers() -> dict[str, str] | None:
+    """The override in force on this thread: the innermost :func:`use_provider`, else the
+    environment (as last read), else ``None``."""
+    return getattr(_local, "forced", None) or _registry.env_forced
 
 
 @contextlib.contextmanager
 def use_provider(name: str, ops: tuple[str, ...] | None = None) -> Iterator[None]:
     """Force provider ``name`` for ``ops`` (default: all) on every device, inside the block.
 
-    Applies when the op runs, so it also steers already compiled functions. Example, an A/B
-    accuracy run against the reference::
+    Applies when the op runs, so it also steers already compiled functions (except Triton
+    launches traced into a graph: see the README). Example, an A/B accuracy run::
 
         with dsv4_compile.use_provider("reference"):
             expected = model(x)
     """
-    for op in ops or ():
-        if op not in OPS:
-            raise ValueError(f"use_provider: unknown op {op!r}; expected one of {OPS}")
-    previous = getattr(_override, "forced", None)
-    _override.forced = {**(previous or {}), **{op: name for op in (ops or OPS)}}
+    forcing = _forcing({op: name for op in (ops or OPS)}, "use_provider")
+    previous = getattr(_local, "forced", None)
+    _local.forced = {**(previous or _registry.env_forced or {}), **forcing}
     try:
         yield
     finally:
-        _override.forced = previous
+        _local.forced = previous
 
 
 def _candidates(device_type: str, op: str | None = None) -> list[Provider]:
@@ -160,146 +236,184 @@ def _candidates(device_type: str, op: str | None = None) -> list[Provider]:
 
 
 def _load(provider: Provider, device: torch.device) -> Mapping[str, Callable]:
-    key = ("load", provider.name, provider.device_type, str(device))
-    if key not in _registry.cache:
+    key = (_key(provider), device)
+    if key not in _registry.loaded:
         try:
-            _registry.cache[key] = dict(provider.load(device))
+            _registry.loaded[key] = dict(provider.load(device))
         except ProviderUnavailable as exc:
-            _registry.cache[key] = exc
-    result = _registry.cache[key]
+            _registry.loaded[key] = exc
+    result = _registry.loaded[key]
     if isinstance(result, ProviderUnavailable):
         raise result
     return result
 
 
-def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
-    """The provider name and kernel that serve ``op`` on ``device`` under the current override."""
-    provider, kernel = _resolve(op, device)
-    return provider.name, kernel
-
-
-def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int) -> tuple[tuple, tuple]:
-    """Shapes of ``get_mla_metadata``'s outputs from the provider that serves it on ``device``."""
-    provider, _ = _resolve("get_mla_metadata", device)
-    if provider.metadata_shapes is None:
-        return (0,), (0,)
-    return provider.metadata_shapes(device, batch, s_q, heads)
-
-
-def _resolve(op: str, device: torch.device) -> tuple[Provider, Callable]:
-    forced = _forced()
-    if forced is not None:
-        forced = forced.get(op)
-    key = (op, device, forced)  # the hot path: one dict lookup per call
-    hit = _registry.cache.get(key)
-    if hit is not None:
-        return hit
+def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | None) -> tuple:
+    """``(provider, kernel)`` for a call of ``op`` on ``device`` with signature ``call`` (``None``:
+    ignore the rules), forced to provider ``forced`` or not. Not cached; see :func:`_lookup`."""
     if op not in OPS:
         raise ValueError(f"unknown dsv4 op {op!r}; expected one of {OPS}")
     candidates = _candidates(device.type, op)
-    if forced is not None:
-        chosen = [p for p in candidates if p.name == forced]
-        if not chosen:
-            raise ProviderUnavailable(
-                f"provider {forced!r} forced for dsv4.{op} is not registered for {device.type}; "
-                f"registered for this op: {[p.name for p in candidates]}"
-            )
-        kernels = _load(chosen[0], device)
-        if op not in kernels:
-            raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} does not implement it")
-        result = (chosen[0], kernels[op])
-    else:
-        skipped = []
-        result = None
-        for provider in candidates:
-            try:
-                kernels = _load(provider, device)
-            except ProviderUnavailable as exc:
-                skipped.append(f"{provider.name!r}: {exc}")
-                continue
-            if op in kernels:
-                result = (provider, kernels[op])
-                break
-        if result is None:  # the reference provider serves every op; reaching this is a bug
-            raise ProviderUnavailable(f"no provider serves dsv4.{op} on {device}")
-        if skipped and result[0].fallback and (op, str(device)) not in _registry.warned:
-            _registry.warned.add((op, str(device)))
-            warnings.warn(
-                f"dsv4.{op} on {device} uses provider {result[0].name!r}; skipped "
-                + "; ".join(skipped),
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    _registry.cache[key] = result
-    return result
-
-
-def delegate(op: str, device: torch.device, below: str, reason: str) -> Callable:
-    """The kernel of the best provider ranked below provider ``below`` that serves ``op`` on
-    ``device``: for a provider that can serve the device but not one particular call (a page size,
-    a page stride). Warns once per ``(op, device, below)`` with ``reason``. The reference serves
-    when nothing else does."""
-    candidates = _candidates(device.type, op)
-    names = [p.name for p in candidates]
-    start = names.index(below) + 1 if below in names else 0
-    for provider in candidates[start:]:
+    skipped, ruled_out = [], False
+    for provider in candidates:
+        if forced is not None and provider.name != forced:
+            continue
         try:
             kernels = _load(provider, device)
-        except ProviderUnavailable:
+        except ProviderUnavailable as exc:
+            if forced is not None:
+                raise
+            skipped.append(f"{provider.name!r}: {exc}")
             continue
-        if op in kernels:
-            break
-    else:  # the reference provider serves every op; reaching this is a bug
-        raise ProviderUnavailable(f"no provider below {below!r} serves dsv4.{op} on {device}")
-    key = ("delegate", op, str(device), below)
-    if key not in _registry.warned:
-        _registry.warned.add(key)
-        warnings.warn(
-            f"dsv4.{op} on {device}: {reason}; provider {provider.name!r} serves it instead",
-            RuntimeWarning,
-            stacklevel=4,
+        if op not in kernels:
+            continue
+        rule = provider.rules.get(op)
+        if call is not None and rule is not None and not rule.accepts(device, call):
+            reason = f"{provider.name!r} needs {rule.needs} ({_describe_call(call)})"
+            if forced is not None:
+                raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} cannot serve this call: {reason}")
+            skipped.append(reason)
+            ruled_out = True
+            continue
+        warn = skipped and (provider.fallback or ruled_out)
+        if warn and (op, device, provider.name) not in _registry.warned:
+            _registry.warned.add((op, device, provider.name))
+            warnings.warn(
+                f"dsv4.{op} on {device} uses provider {provider.name!r}; skipped " + "; ".join(skipped),
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return provider, kernels[op]
+    if forced is not None:
+        raise ProviderUnavailable(
+            f"provider {forced!r} forced for dsv4.{op} is not registered for {device.type}; "
+            f"registered for this op: {list(dict.fromkeys(p.name for p in candidates))}"
         )
-    return kernels[op]
+    raise ProviderUnavailable(f"no provider serves dsv4.{op} on {device}")  # the reference serves all
 
 
-def providers(device: torch.device | str | None = None) -> dict[str, str]:
-    """Which provider serves each op on ``device`` (default: CUDA if present, else CPU).
+def _describe_call(call: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in call._asdict().items()) if hasattr(call, "_asdict") else repr(call)
 
-    Resolving may import provider libraries, but runs no kernel.
-    """
+
+def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> tuple[Callable, bool]:
+    """``(kernel, run data checks)`` for a call with signature ``call`` (a plain tuple, the fields
+    of ``call_type``): the hot path, one dict lookup once resolved."""
+    forced = getattr(_local, "forced", None) or _registry.env_forced
+    name = forced.get(op) if forced else None
+    table = _registry.resolved[op]
+    key = (device, call, name)
+    hit = table.get(key)
+    if hit is None:
+        provider, kernel = _resolve(op, device, call_type(*call), name)
+        hit = table[key] = (kernel, provider.checks_data)
+    return hit
+
+
+def resolve(op: str, device: torch.device, call: tuple | None = None) -> tuple[str, Callable]:
+    """The provider name and kernel that serve ``op`` on ``device`` under the current override,
+    for a call with signature ``call`` (``ops.CALLS``; ``None``: a call every rule accepts)."""
+    forced = forced_providers()
+    provider, kernel = _resolve(op, device, call, forced.get(op) if forced else None)
+    return provider.name, kernel
+
+
+def _default_device(device) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def providers(device: torch.device | str | None = None) -> dict[str, str]:
+    """Which provider serves each op on ``device`` (default: CUDA if present, else CPU), for the
+    calls its rules accept (:func:`provider_chain` says which, and who serves the others).
+
+    Resolving may import provider libraries, but runs no kernel.
+    """
+    device = _default_device(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return {op: resolve(op, device)[0] for op in OPS}
 
 
-def backend_kernel(
-    op: str, device_type: str | None, defaults: tuple = (), check: Callable | None = None
-) -> Callable:
-    """The kernel registered for one dispatch key: check the arguments, resolve the provider, call it.
+def provider_chain(device: torch.device | str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Per op, the available providers on ``device`` in the order they are tried, each with what
+    it needs of a call (``"any call"``), down to the first that takes any call. E.g. on XPU:
+    ``{"fused_k_norm_rope_flashmla": [("sgl_kernel_xpu", "page_size a power of two"),
+    ("triton", "any call")], ...}``."""
+    device = _default_device(device)
+    forced = forced_providers()
+    chain = {}
+    for op in OPS:
+        name = forced.get(op) if forced else None
+        rows = []
+        for provider in _candidates(device.type, op):
+            if name is not None and provider.name != name:
+                continue
+            try:
+                if op not in _load(provider, device):
+                    continue
+            except ProviderUnavailable:
+                continue
+            rule = provider.rules.get(op)
+            rows.append((provider.name, "any call" if rule is None else rule.needs))
+            if rule is None:
+                break
+        chain[op] = rows
+    return chain
 
-    ``device_type`` is the key's device type (so a redispatch to the XPU key runs the XPU
-    provider even with CPU tensors, as the adapter tests do); ``None`` takes it from the tensors.
-    The dispatcher drops trailing arguments equal to their schema defaults; ``defaults`` (the
-    schema's default values, ``None`` where an argument has none) restores them, so every provider
-    kernel receives the full positional argument list. ``check(*args, data=True)`` is the op's
-    validation (:mod:`dsv4_compile.checks`): it runs here, once, before any provider kernel, so
-    provider kernels receive validated arguments.
+
+def backend_kernel(
+    op: str,
+    device_type: str | None,
+    defaults: tuple,
+    check: Callable,
+    check_data: Callable,
+    call: tuple[type, Callable],
+    grad_args: tuple[tuple[int, str], ...],
+) -> Callable:
+    """The kernel registered for one dispatch key: validate, find the provider kernel, call it.
+
+    ``device_type`` is the key's device type (a redispatch to the XPU key runs the XPU provider
+    even with CPU tensors, as the adapter tests do); ``None`` takes it from the tensors. The
+    dispatcher drops trailing arguments equal to their schema defaults; ``defaults`` (the schema's
+    defaults, ``None`` where an argument has none) restores them, so provider kernels receive the
+    full positional list. Per call, in this order, before any provider kernel runs:
+
+    * inference only: under grad mode, the inputs at ``grad_args`` (``(index, name)``) must not
+      require grad (the op has no backward; the Autograd key falls through to here);
+    * ``check(*args)``: the metadata checks (dtypes, shapes, devices, geometry; no data read);
+    * the provider kernel for the device and the call's signature (``call``: its type and
+      ``key(args)``), one dict lookup;
+    * ``check_data(*args)``: the data checks, in checked mode or for a provider that needs them.
     """
+    nargs = len(defaults)
+    call_type, call_key = call
 
     def kernel(*args):
-        if len(args) < len(defaults):
+        if len(args) < nargs:
             args = args + defaults[len(args):]
-        if check is not None:
-            check(*args, data=True)
+        if torch.is_grad_enabled():
+            for i, name in grad_args:
+                if args[i] is not None and args[i].requires_grad:
+                    raise RuntimeError(
+                        f"dsv4.{op} is inference-only (no backward): {name} requires grad; call it "
+                        f"under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+                    )
+        check(*args)
         device = args[0].device  # every op's first argument is a tensor
         if device_type is not None and device.type != device_type:
             device = torch.device(device_type, device.index if device.index is not None else 0)
-        return resolve(op, device)[1](*args)
+        provider_kernel, data = _lookup(op, device, call_type, call_key(args))
+        if data or checks.checked_mode():
+            check_data(*args)
+        return provider_kernel(*args)
 
     kernel.__name__ = f"dsv4_{op}_{device_type or 'any'}"
     return kernel
+
+
+reset()  # read the environment

@@ -10,6 +10,8 @@ with inputs that require grad is an error.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import checks, dispatch, layout
@@ -70,8 +72,9 @@ def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(tile_scheduler_metadata, num_splits)`` int32 of the shapes the provider that serves
-    ``get_mla_metadata`` on ``q.device`` produces (``(0,)`` each where there is no scheduler)."""
+    """Empty ``(tile_scheduler_metadata, num_splits)`` int32 of the shapes ``get_mla_metadata``
+    returns on ``q.device``, whichever provider serves it (``dispatch.metadata_shapes``: FlashMLA's
+    scheduler geometry on CUDA, ``(0,)`` each elsewhere)."""
     batch, s_q, heads = q.shape[:3]
     meta_shape, splits_shape = dispatch.metadata_shapes(q.device, batch, s_q, heads)
     return (
@@ -87,7 +90,7 @@ def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.register_fake(f"{NAMESPACE}::fused_k_norm_rope_flashmla", lib=_lib)
 def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, data=False)
+    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::flash_mla_with_kvcache", lib=_lib)
@@ -99,14 +102,14 @@ def _decode_fake(
     checks.check_decode(
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, data=False,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
     )
     return decode_outputs(q, head_dim_v)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::flash_mla_sparse_fwd", lib=_lib)
 def _prefill_fake(q, kv, indices, sm_scale, d_v=layout.HEAD_DIM, attn_sink=None, topk_length=None):
-    checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, data=False)
+    checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return prefill_outputs(q, d_v)
 
 
@@ -117,7 +120,7 @@ def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels: one trampoline per dispatch key; inference-only autograd.
+# Kernels: one trampoline per dispatch key (dispatch.backend_kernel); inference-only.
 # --------------------------------------------------------------------------------------------
 
 
@@ -126,40 +129,64 @@ def _schema_defaults(op_name: str) -> tuple:
     return tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
 
 
-def _no_grad_kernel(op_name: str):
-    op = getattr(getattr(torch.ops, NAMESPACE), op_name).default
-    names = [a.name for a in op._schema.arguments]
-
-    def kernel(keyset, *args):
-        if torch.is_grad_enabled():
-            for name, a in zip(names, args):
-                if isinstance(a, torch.Tensor) and a.requires_grad:
-                    raise RuntimeError(
-                        f"dsv4.{op_name} is inference-only (no backward): {name} requires grad; "
-                        f"call it under torch.no_grad() or torch.inference_mode(), or pass "
-                        f"{name}.detach()"
-                    )
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-
-    return kernel
-
-
-#: Each op's validation, run by the kernel of every dispatch key before the provider kernel.
+#: Each op's checks: metadata (every call, fakes too) and data (checked mode; providers that need them).
 CHECKS = {
-    "fused_k_norm_rope_flashmla": checks.check_store,
-    "flash_mla_with_kvcache": checks.check_decode,
-    "flash_mla_sparse_fwd": checks.check_prefill,
-    "get_mla_metadata": checks.check_metadata,
+    "fused_k_norm_rope_flashmla": (checks.check_store, checks.check_store_data),
+    "flash_mla_with_kvcache": (checks.check_decode, checks.check_decode_data),
+    "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
+    "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
+}
+
+
+class StoreCall(NamedTuple):
+    """What a provider's rule may look at in a store call."""
+
+    page_size: int
+    page_stride: int
+
+
+class DecodeCall(NamedTuple):
+    """What a provider's rule may look at in a decode call (``extra_*``: 0 without an extra cache)."""
+
+    page_size: int
+    page_stride: int
+    extra_page_size: int
+    extra_page_stride: int
+
+
+class NoCall(NamedTuple):
+    """Ops whose providers have no per-call rule."""
+
+
+#: Each op's call signature: ``(type, key(args))``, ``args`` in schema order. ``key`` is a plain
+#: tuple of the properties of a call that provider rules (``dispatch.Rule``) may depend on;
+#: resolutions are cached per key, and rules see it as ``type(*key)``.
+CALLS = {
+    "fused_k_norm_rope_flashmla": (StoreCall, lambda a: (a[7], a[5].stride(0))),
+    "flash_mla_with_kvcache": (
+        DecodeCall,
+        lambda a: (a[2], a[1].stride(0), 0, 0) if a[6] is None else (a[2], a[1].stride(0), a[7], a[6].stride(0)),
+    ),
+    "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
+    "get_mla_metadata": (NoCall, lambda a: ()),
+}
+
+#: The inputs of each op that could require grad (floating point), as ``(position, name)``.
+GRAD_ARGS = {
+    op: tuple(
+        (i, a.name) for i, a in enumerate(getattr(getattr(torch.ops, NAMESPACE), op).default._schema.arguments)
+        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink")
+    )
+    for op in SCHEMAS
 }
 
 for _op in SCHEMAS:
-    _defaults = _schema_defaults(_op)
+    _parts = (_schema_defaults(_op), *CHECKS[_op], CALLS[_op], GRAD_ARGS[_op])
     for _key in ("CPU", "CUDA", "XPU"):
-        _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), _defaults, CHECKS[_op]), _key)
-    _lib.impl(
-        _op, dispatch.backend_kernel(_op, None, _defaults, CHECKS[_op]), "CompositeExplicitAutograd"
-    )
-    _lib.impl(_op, _no_grad_kernel(_op), "Autograd", with_keyset=True)
+        _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), *_parts), _key)
+    _lib.impl(_op, dispatch.backend_kernel(_op, None, *_parts), "CompositeExplicitAutograd")
+    # No backward: autograd falls through to the kernel above, which rejects inputs requiring grad.
+    _lib.impl(_op, torch.library.fallthrough_kernel, "Autograd")
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,14 +56,27 @@ def test_use_provider_forces_the_reference(fake_provider):
     assert len(fake_provider) == 1
 
 
-def test_env_override(monkeypatch, fake_provider):
+def test_env_override_is_read_at_reset(monkeypatch, fake_provider):
     monkeypatch.setenv(dispatch.PROVIDER_ENV, "flash_mla_with_kvcache=reference")
+    assert d4.providers("cpu")["flash_mla_with_kvcache"] == "recording"  # not read per call
+    dispatch.reset()
     assert d4.providers("cpu")["flash_mla_with_kvcache"] == "reference"
     monkeypatch.setenv(dispatch.PROVIDER_ENV, "reference")
+    dispatch.reset()
     assert d4.providers("cpu")["flash_mla_with_kvcache"] == "reference"
     monkeypatch.setenv(dispatch.PROVIDER_ENV, "nonsense_op=reference")
     with pytest.raises(ValueError, match="nonsense_op"):
-        d4.providers("cpu")
+        dispatch.reset()
+    monkeypatch.delenv(dispatch.PROVIDER_ENV)
+    dispatch.reset()
+
+
+def test_metadata_follows_the_decode_override():
+    with d4.use_provider("reference", ops=("flash_mla_with_kvcache",)):
+        assert dispatch.forced_providers()["get_mla_metadata"] == "reference"
+    with pytest.raises(ValueError, match="follows flash_mla_with_kvcache"):
+        with d4.use_provider("reference", ops=("get_mla_metadata",)):
+            pass
 
 
 def test_forcing_an_unregistered_provider_is_an_error():
@@ -98,21 +111,50 @@ def test_unavailable_provider_falls_back_with_one_warning():
 
 
 def test_checked_mode_switches():
-    gpu = torch.device("cuda", 0)
-    assert not checks.data_checks_apply(gpu)
-    assert checks.data_checks_apply(torch.device("cpu"))  # the reference on CPU always checks
+    assert not d4.checked_mode()
     with d4.checked():
-        assert d4.checked_mode() and checks.data_checks_apply(gpu)
+        assert d4.checked_mode()
         with d4.checked(False):
-            assert not checks.data_checks_apply(gpu)
+            assert not d4.checked_mode()
     assert not d4.checked_mode()
 
 
-def test_checked_mode_env(monkeypatch):
+def test_checked_mode_env_is_read_at_reset(monkeypatch):
     monkeypatch.setenv(checks.CHECKED_ENV, "1")
+    assert not d4.checked_mode()
+    dispatch.reset()
     assert d4.checked_mode()
     monkeypatch.setenv(checks.CHECKED_ENV, "0")
+    dispatch.reset()
     assert not d4.checked_mode()
+
+
+def test_data_checks_run_for_the_reference_and_in_checked_mode_only():
+    """The reference indexes with the values: it always gets them checked; another provider only
+    in checked mode (a device sync on a GPU)."""
+    from dsv4_compile import ops
+
+    calls = []
+
+    def decode(q, *args):
+        calls.append(q)
+        return ops.decode_outputs(q, 512)
+
+    dispatch.register_provider(dispatch.Provider("unchecked", "cpu", lambda d: {"flash_mla_with_kvcache": decode},
+                                                 priority=10))
+    try:
+        cache, _ = filled_cache(2, 4)
+        q = torch.randn(1, 1, 4, 512, dtype=torch.bfloat16)
+        bad = torch.tensor([[[0, 8]]], dtype=torch.int32)  # 8 == capacity
+        d4.flash_mla_with_kvcache(q, cache, 4, bad)  # not checked: no sync
+        assert len(calls) == 1
+        with d4.checked(), pytest.raises(ValueError, match="indices must be -1 or a slot in"):
+            d4.flash_mla_with_kvcache(q, cache, 4, bad)
+        with d4.use_provider("reference"), pytest.raises(ValueError, match="indices must be -1 or a slot in"):
+            d4.flash_mla_with_kvcache(q, cache, 4, bad)
+        assert len(calls) == 1
+    finally:
+        dispatch.unregister_provider("unchecked", "cpu")
 
 
 def test_redispatch_to_a_device_key_resolves_that_device_type():
@@ -131,3 +173,46 @@ def test_redispatch_to_a_device_key_resolves_that_device_type():
         assert seen == ["xpu"]
     finally:
         dispatch.unregister_provider("probe", "xpu")
+
+
+def test_compiled_metadata_runs_under_another_provider():
+    """get_mla_metadata's outputs have one geometry per device type whatever the provider, so a
+    step compiled while a scheduler provider served it runs under ``use_provider("reference")``
+    (the reference returns zeros of that geometry; its decode ignores them)."""
+    from dsv4_compile import ops
+
+    seen = []
+
+    def scheduler(q, indices, topk_length, extra_indices, extra_topk_length):
+        meta, splits = ops.metadata_outputs(q)
+        return meta.fill_(7), splits.fill_(7)
+
+    def decode(*args):
+        seen.append(int(args[10].sum()))
+        return reference.flash_mla_with_kvcache(*args)
+
+    dispatch.register_metadata_shapes("cpu", lambda device, batch, s_q, heads: ((3, 8), (batch + 1,)))
+    dispatch.register_provider(dispatch.Provider(
+        "scheduler", "cpu", lambda d: {"get_mla_metadata": scheduler, "flash_mla_with_kvcache": decode}, priority=10,
+    ))
+    try:
+        cache, _ = filled_cache(2, 4)
+        q = torch.randn(2, 1, 4, 512, dtype=torch.bfloat16)
+        idx = random_indices((2, 1, 5), 8)
+
+        def step(q, idx):
+            meta, splits = d4.get_mla_metadata(q, idx)
+            return d4.flash_mla_with_kvcache(q, cache, 4, idx, tile_scheduler_metadata=meta, num_splits=splits)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True)
+        with torch.no_grad():
+            scheduled = compiled(q, idx)
+            with d4.use_provider("reference"):
+                plain = compiled(q, idx)
+        assert seen == [7 * 3 * 8]  # the scheduler's metadata reached its decode, once
+        assert torch.equal(scheduled[0], plain[0]) and torch.equal(scheduled[1], plain[1])
+    finally:
+        dispatch.unregister_provider("scheduler", "cpu")
+        dispatch.register_metadata_shapes("cpu", None)
+        torch._dynamo.reset()

@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checks, dispatch, layout, ops
 
@@ -80,11 +81,6 @@ class FlashMLAKernels:
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
         self.device = device
-        # SM100's V4 decode reads pages with the tensor-memory accelerator: page strides must be
-        # multiples of 576 bytes (canonical page_bytes). SM90 reads any stride >= P*584.
-        self.page_stride_multiple = (
-            layout.PAGE_ALIGN if _capability(device)[0] == 10 else 1
-        )
 
     # ---- decode ----
 
@@ -132,28 +128,17 @@ class FlashMLAKernels:
         batch, s_q, heads = q.shape[:3]
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
-        strides = [k_cache.stride(0)] + ([] if extra_k_cache is None else [extra_k_cache.stride(0)])
-        if any(s % self.page_stride_multiple for s in strides):  # the next provider serves it
-            kernel = dispatch.delegate(
-                "flash_mla_with_kvcache", self.device, self.name,
-                f"FlashMLA needs page strides that are multiples of {self.page_stride_multiple} "
-                f"bytes here (allocate caches with dsv4_compile.alloc_cache)",
-            )
-            return kernel(
-                q, k_cache, page_size, indices, topk_length, attn_sink, extra_k_cache,
-                extra_page_size, extra_indices, extra_topk_length, None, None, softmax_scale, head_dim_v,
-            )
         # metadata from another provider (empty) means "compute it inside"
         if tile_scheduler_metadata is not None and tile_scheduler_metadata.numel() == 0:
             tile_scheduler_metadata = num_splits = None
         if tile_scheduler_metadata is not None and checks.checked_mode():
             _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
                          tile_scheduler_metadata, num_splits)
-        kv = layout.flashmla_view(k_cache, page_size)
+        kv = _view(k_cache, page_size)
         idx = _pad_last(indices, _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
         extra_kv = extra_idx = None
         if extra_k_cache is not None:
-            extra_kv = layout.flashmla_view(extra_k_cache, extra_page_size)
+            extra_kv = _view(extra_k_cache, extra_page_size)
             extra_idx = _pad_last(extra_indices, _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
 
         groups = list(_head_groups(heads))
@@ -229,6 +214,19 @@ def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_len
         )
 
 
+_VIEWS = WeakIdKeyDictionary()  # base cache -> (page size, data pointer, its FlashMLA view)
+
+
+def _view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``layout.flashmla_view(cache, page_size)``, built once per cache tensor (three tensor ops
+    saved per call of the eager hot path); rebuilt if the page size or the storage changed."""
+    hit = _VIEWS.get(cache)
+    ptr = cache.data_ptr()
+    if hit is None or hit[0] != page_size or hit[1] != ptr:
+        hit = _VIEWS[cache] = (page_size, ptr, layout.flashmla_view(cache, page_size))
+    return hit[2]
+
+
 @functools.lru_cache(maxsize=None)
 def _dummy_cache(device: torch.device) -> torch.Tensor:
     """A zeroed one-page V4 cache view (64 tokens) for scheduler-only calls."""
@@ -277,32 +275,42 @@ def _load_flash_mla(device: torch.device) -> dict:
 
 
 def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):
-    """FlashMLA's scheduler shapes: ``[num_sm_parts, 8]`` and ``[batch + 1]`` int32.
+    """FlashMLA's scheduler geometry, ``get_mla_metadata``'s outputs on every CUDA device whatever
+    the provider: ``[num_sm_parts, 8]`` and ``[batch + 1]`` int32.
 
     ``num_sm_parts`` as its sparse decode computes it for the padded head count ``h``:
     SM90 ``max(sms // s_q // (h // 64), 1)``; SM100 ``max(sms // s_q, 1)`` for ``h = 64`` and
-    ``max(sms // s_q // 2, 1)`` for ``h = 128``.
+    ``max(sms // s_q // 2, 1)`` for ``h = 128`` (other GPUs: as SM90). Without a CUDA device
+    (tracing for CUDA on a CPU machine) one part.
     """
     h = padded_heads(heads)
-    major, _ = _capability(device)
-    sms = _num_sms(device)
-    divisor = (h // 64) if major == 9 else (1 if h == 64 else 2)
-    return (max(sms // max(s_q, 1) // divisor, 1), 8), (batch + 1,)
+    major, _ = _capability(device) if torch.cuda.is_available() else (9, 0)
+    divisor = (1 if h == 64 else 2) if major == 10 else h // 64
+    return (max(_num_sms(device) // max(s_q, 1) // divisor, 1), 8), (batch + 1,)
 
 
 def _num_sms(device: torch.device) -> int:
+    if not torch.cuda.is_available():
+        return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
 
+#: SM100's V4 decode reads pages with the tensor-memory accelerator: page strides must be multiples
+#: of 576 bytes (canonical ``page_bytes``). SM90 reads any stride >= P*584.
+SM100_PAGE_STRIDES = dispatch.Rule(
+    f"page strides that are multiples of {layout.PAGE_ALIGN} bytes on SM100 (dsv4_compile.alloc_cache)",
+    lambda device, call: _capability(device)[0] != 10
+    or (call.page_stride % layout.PAGE_ALIGN == 0 and call.extra_page_stride % layout.PAGE_ALIGN == 0),
+)
+
 
 def register() -> None:
-    dispatch.register_provider(dispatch.Provider(
-        "sgl_kernel", "cuda", _load_sgl_kernel, priority=30, ops=_FLASHMLA_OPS,
-        metadata_shapes=metadata_shapes,
-    ))
-    dispatch.register_provider(dispatch.Provider(
-        "flashmla", "cuda", _load_flash_mla, priority=20, ops=_FLASHMLA_OPS,
-        metadata_shapes=metadata_shapes,
-    ))
+    rules = {"flash_mla_with_kvcache": SM100_PAGE_STRIDES}
+    dispatch.register_provider(dispatch.Provider("sgl_kernel", "cuda", _load_sgl_kernel, ops=_FLASHMLA_OPS, rules=rules))
+    dispatch.register_provider(dispatch.Provider("flashmla", "cuda", _load_flash_mla, ops=_FLASHMLA_OPS, rules=rules))
+    dispatch.register_metadata_shapes("cuda", metadata_shapes)
+
+
+register()

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .. import layout, ops
+from .. import dispatch, layout, ops
 
 #: Upper bound on the bytes of temporaries (gathered keys, their dequantization, scores) one step
 #: of decode, prefill or the store holds at once (see :func:`_plan`); the outputs come on top.
@@ -224,9 +224,10 @@ def flash_mla_with_kvcache(
 
 
 def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
-    """No scheduler here: two empty int32 tensors, which the decode ignores."""
-    empty = torch.empty(0, dtype=torch.int32, device=q.device)
-    return empty, empty.clone()
+    """No scheduler here: zeros of the device's metadata geometry (``ops.metadata_outputs``; empty
+    off CUDA), which the decode of every provider without a scheduler ignores."""
+    meta, splits = ops.metadata_outputs(q)
+    return meta.zero_(), splits.zero_()
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,3 +269,7 @@ KERNELS = {
     "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
     "get_mla_metadata": get_mla_metadata,
 }
+
+dispatch.register_provider(dispatch.Provider(
+    dispatch.REFERENCE, "*", lambda device: KERNELS, fallback=True, checks_data=True,
+))

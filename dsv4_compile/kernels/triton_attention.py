@@ -57,7 +57,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from .. import checks, dispatch, layout, ops
-from . import triton_common
+from . import reference, triton_common
 
 DECODE = "flash_mla_with_kvcache"
 PREFILL = "flash_mla_sparse_fwd"
@@ -549,14 +549,25 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 
 KERNELS = {DECODE: flash_mla_with_kvcache, PREFILL: flash_mla_sparse_fwd}
+NAME = "triton"
+METADATA = "get_mla_metadata"
 
 
 def load(device: torch.device) -> dict:
-    """Provider loader: ``{op: kernel}`` for decode and prefill, or
+    """Provider loader: ``{op: kernel}`` for decode, prefill and the (schedule-free) metadata, or
     :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
     backend for the device type, no such device)."""
     triton_common.require_device(_triton(), _decode_kernel, device, "attention")
-    return dict(KERNELS)
+    return {**KERNELS, METADATA: reference.get_mla_metadata}  # the decode ignores metadata
+
+
+def register() -> None:
+    """Register the attention's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent)."""
+    for device_type in triton_common.DEVICE_TYPES:
+        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(*OPS, METADATA), fallback=True))
+
+
+register()
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,7 +602,7 @@ def _functional_rule(op: str, launch, check):
             return mode.__torch_dispatch__(op_overload, types, args, kwargs)
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
         with mode:
-            check(*args, data=False)
+            check(*args)
             return launch(torch.library.wrap_triton, *args)
 
     return rule

@@ -37,7 +37,6 @@ from . import triton_common
 
 OP = "fused_k_norm_rope_flashmla"
 NAME = "triton"
-PRIORITY = 0  # above the reference; below library providers of the store (sgl-kernel-xpu: 100)
 #: Launch geometry: tokens per program (a power of two) and warps per program.
 BLOCK_T = 4
 NUM_WARPS = 4
@@ -182,22 +181,13 @@ def load(device: torch.device) -> dict:
     return {OP: fused_k_norm_rope_flashmla}
 
 
-def _load_provider(device: torch.device) -> dict:
-    """The ``triton`` provider's kernels: this store and :mod:`.triton_attention`'s decode/prefill."""
-    from . import triton_attention
-
-    return {**load(device), **triton_attention.load(device)}
-
-
 def register() -> None:
-    """Register the provider for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
-    from . import triton_attention
-
+    """Register the store's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
-        dispatch.register_provider(dispatch.Provider(
-            name=NAME, device_type=device_type, load=_load_provider, priority=PRIORITY,
-            ops=(OP, *triton_attention.OPS), fallback=True,
-        ))
+        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(OP,), fallback=True))
+
+
+register()
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +225,7 @@ def _functional_rule(mode, op, types, args, kwargs):
         # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
         return mode.__torch_dispatch__(op, types, args, kwargs)
     with mode:
-        checks.check_store(*args, data=False)
+        checks.check_store(*args)
         _launch(torch.library.wrap_triton(_store_kernel), *args)
     return None
 

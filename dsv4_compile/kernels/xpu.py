@@ -13,7 +13,8 @@ accepts and its result back into what the op's fake promises:
   back; contiguous inputs; nothing to attend (no rows or no index columns) answered here, since the
   library refuses such launches;
 * store: ``out_loc`` as int32 with every negative slot mapped to -1; a ``page_size`` that is not a
-  power of two goes to the Triton store if one serves XPU, else to the reference (warned once).
+  power of two is not served here (the rule :data:`POWER_OF_TWO_PAGES`: the next provider serves it,
+  warned once).
 
 Invalid indices need no translation: the library ignores slots ``< 0`` or ``>= capacity``, a
 superset of the contract's ``-1`` holes, so every index the contract allows gives the reference's
@@ -36,7 +37,6 @@ from . import reference
 
 NAME = "sgl_kernel_xpu"
 DEVICE_TYPE = "xpu"
-PRIORITY = 100
 HEAD_GROUP = 8  # the XPU attention kernels process heads in groups of 8
 STORE = "fused_k_norm_rope_flashmla"
 INSTALL_HINT = (
@@ -72,11 +72,18 @@ def load(device: torch.device) -> dict[str, Callable]:
     }
 
 
+#: sgl-kernel-xpu's store computes slot -> (page, offset) with shifts: a power-of-two page size.
+POWER_OF_TWO_PAGES = dispatch.Rule(
+    "page_size a power of two", lambda device, call: _is_power_of_two(call.page_size)
+)
+
+
 def register() -> None:
     """Register the provider for device type ``"xpu"`` (idempotent; imports nothing)."""
-    dispatch.register_provider(
-        dispatch.Provider(name=NAME, device_type=DEVICE_TYPE, load=load, priority=PRIORITY)
-    )
+    dispatch.register_provider(dispatch.Provider(NAME, DEVICE_TYPE, load, rules={STORE: POWER_OF_TWO_PAGES}))
+
+
+register()
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,12 +134,6 @@ class _Adapters:
         self.device = device
 
     def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-        if not _is_power_of_two(page_size):  # the next provider (Triton, else the reference)
-            store = dispatch.delegate(
-                STORE, self.device, NAME,
-                f"sgl-kernel-xpu's store needs a power-of-two page_size, got {page_size}",
-            )
-            return store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
         if out_loc.dtype != torch.int32:
             out_loc = out_loc.clamp_min(-1).to(torch.int32)  # any negative slot is a skip: -1
         self.lib.fused_k_norm_rope_flashmla(

@@ -1,0 +1,227 @@
+"""Host cost of an eager ``dsv4`` call against the raw library call on the same inputs.
+
+    python benchmarks/bench_overhead.py [--json out.json] [--plot out.png]   # on a CUDA machine
+    python benchmarks/bench_overhead.py --quick                              # CPU smoke (CI)
+
+Host time per call is the wall time of a long loop of non-blocking calls divided by the calls
+(median of 7 loops of 200 calls, synchronised once per loop): at these sizes the launches, not the
+GPU, bound the loop, so this is what an eager engine step pays per call. Per op and size:
+
+* decode (H=64, SWA 128 + c4 512 keys per row, T rows in 1 / 8 / 64 / 256; scheduler computed
+  inside): ``ours`` = ``dsv4_compile.flash_mla_with_kvcache``; ``raw_op`` =
+  ``torch.ops.flash_mla_legacy.sparse_decode_fwd`` on the 4-D views; ``wrapper`` =
+  ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)`` with a fresh ``get_mla_metadata()``;
+* prefill (H=64, top-k 640, s_q in 64 / 4096): ``ours`` = ``dsv4_compile.flash_mla_sparse_fwd``;
+  ``raw_op`` = ``torch.ops.flash_mla_legacy.sparse_prefill_fwd``; ``wrapper`` =
+  ``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``;
+* store (T tokens in 1 / 64 / 4096, page size 256): ``ours`` =
+  ``dsv4_compile.fused_k_norm_rope_flashmla`` (the ``triton`` provider); ``raw_op`` = our Triton
+  kernel launched directly (there is no library store on CUDA).
+
+``--quick`` runs the same op path on CPU with the providers' kernels replaced by stubs that return
+preallocated outputs (``raw_op`` = calling the stub): the dispatcher, checks, provider lookup and
+trampolines, without a GPU, so a regression of the per-call path shows up in CI. It asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import dsv4_compile as d4
+from dsv4_compile import dispatch, layout, ops
+
+SCALE = layout.HEAD_DIM**-0.5
+
+
+def host_us(fn, sync, calls: int = 200, runs: int = 7) -> float:
+    """Median wall microseconds per call of ``calls`` back-to-back calls of ``fn``."""
+    for _ in range(20):
+        fn()
+    sync()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def decode_inputs(rows: int, device: str) -> tuple:
+    """``(q, cache, idx, lengths, sink, extra_cache, extra_idx, extra_lengths)``: zeroed caches
+    (values do not change host cost), random valid slots."""
+    cache, ecache = layout.alloc_cache(64, 256, device), layout.alloc_cache(512, 64, device)
+    q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16, device=device)
+    idx = torch.randint(0, 64 * 256, (rows, 1, 128), dtype=torch.int32, device=device)
+    eidx = torch.randint(0, 512 * 64, (rows, 1, 512), dtype=torch.int32, device=device)
+    lengths = torch.randint(64, 129, (rows,), dtype=torch.int32, device=device)
+    elen = torch.randint(256, 513, (rows,), dtype=torch.int32, device=device)
+    return q, cache, idx, lengths, torch.randn(64, device=device), ecache, eidx, elen
+
+
+def prefill_inputs(s_q: int, device: str) -> tuple:
+    q = torch.randn(s_q, 64, 512, dtype=torch.bfloat16, device=device)
+    kv = torch.randn(8192, 1, 512, dtype=torch.bfloat16, device=device)
+    idx = torch.randint(0, 8192, (s_q, 1, 640), dtype=torch.int32, device=device)
+    return q, kv, idx, torch.randn(64, device=device)
+
+
+def store_inputs(tokens: int, device: str) -> tuple:
+    pages = max(2, -(-2 * tokens // 256))
+    return (
+        torch.randn(tokens, 512, dtype=torch.bfloat16, device=device),
+        torch.ones(512, dtype=torch.bfloat16, device=device),
+        torch.randn(8192, 64, device=device),
+        torch.randint(0, 8192, (tokens,), device=device),
+        torch.randperm(pages * 256, device=device)[:tokens],
+        layout.alloc_cache(pages, 256, device),
+        1e-6,
+        256,
+    )
+
+
+def cases(device: str, raw: dict):
+    """``(op, size, ours, {name: raw call})`` for every case; ``raw`` maps op to a function of the
+    inputs returning the raw calls to time."""
+    for rows in (1, 8, 64, 256):
+        q, cache, idx, lengths, sink, ecache, eidx, elen = args = decode_inputs(rows, device)
+        ours = lambda: d4.flash_mla_with_kvcache(  # noqa: E731
+            q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, softmax_scale=SCALE)
+        yield "flash_mla_with_kvcache", f"T={rows}", ours, raw["decode"](*args)
+    for s_q in (64, 4096):
+        q, kv, idx, sink = args = prefill_inputs(s_q, device)
+        ours = lambda: d4.flash_mla_sparse_fwd(q, kv, idx, SCALE, attn_sink=sink)  # noqa: E731
+        yield "flash_mla_sparse_fwd", f"s_q={s_q}", ours, raw["prefill"](*args)
+    for tokens in (1, 64, 4096):
+        args = store_inputs(tokens, device)
+        yield "fused_k_norm_rope_flashmla", f"T={tokens}", lambda: d4.fused_k_norm_rope_flashmla(*args), \
+            raw["store"](*args)
+
+
+def cuda_raw_calls() -> dict:
+    import flash_mla
+
+    from dsv4_compile.kernels import triton_store
+
+    legacy = torch.ops.flash_mla_legacy
+
+    def decode(q, cache, idx, lengths, sink, ecache, eidx, elen):
+        view, eview = d4.flashmla_view(cache, 256), d4.flashmla_view(ecache, 64)
+
+        def raw_op():
+            return legacy.sparse_decode_fwd.default(q, view, idx, lengths, sink, None, None, eview, eidx, elen, 512, SCALE)
+
+        def wrapper():
+            sched, _ = flash_mla.get_mla_metadata()
+            return flash_mla.flash_mla_with_kvcache(
+                q, view, None, None, 512, sched, softmax_scale=SCALE, is_fp8_kvcache=True, indices=idx,
+                attn_sink=sink, extra_k_cache=eview, extra_indices_in_kvcache=eidx, topk_length=lengths,
+                extra_topk_length=elen, use_legacy=True,
+            )
+
+        return {"raw_op": raw_op, "wrapper": wrapper}
+
+    def prefill(q, kv, idx, sink):
+        return {
+            "raw_op": lambda: legacy.sparse_prefill_fwd.default(q, kv, idx, SCALE, 512, sink, None, False, True),
+            "wrapper": lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, SCALE, 512, sink, None, use_legacy=True),
+        }
+
+    def store(*args):
+        triton_store._triton()
+        return {"raw_op": lambda: triton_store._launch(triton_store._store_kernel, *args)}
+
+    return {"decode": decode, "prefill": prefill, "store": store}
+
+
+def cpu_stub_calls() -> dict:
+    """Stub providers above the reference on CPU: each kernel returns preallocated outputs."""
+    outputs = {}
+
+    def stub(op):
+        def kernel(*args):
+            return outputs[op]
+        return kernel
+
+    def decode(q, *rest):
+        outputs["flash_mla_with_kvcache"] = ops.decode_outputs(q, 512)
+        return {"raw_op": lambda: stub("flash_mla_with_kvcache")(q, *rest)}
+
+    def prefill(q, *rest):
+        outputs["flash_mla_sparse_fwd"] = ops.prefill_outputs(q, 512)
+        return {"raw_op": lambda: stub("flash_mla_sparse_fwd")(q, *rest)}
+
+    def store(*args):
+        outputs["fused_k_norm_rope_flashmla"] = None
+        return {"raw_op": lambda: stub("fused_k_norm_rope_flashmla")(*args)}
+
+    dispatch.register_provider(dispatch.Provider(
+        name="overhead_stub", device_type="cpu", priority=10,
+        load=lambda device: {op: stub(op) for op in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd",
+                                                     "fused_k_norm_rope_flashmla")},
+    ))
+    return {"decode": decode, "prefill": prefill, "store": store}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="CPU, stubbed kernels (a smoke test)")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    if args.quick:
+        device, sync, raw = "cpu", lambda: None, cpu_stub_calls()
+    else:
+        device, sync, raw = "cuda", torch.cuda.synchronize, cuda_raw_calls()
+    rows = []
+    with torch.inference_mode():
+        for op, size, ours, raws in cases(device, raw):
+            row = {"op": op, "size": size, "ours_us": host_us(ours, sync)}
+            row.update({f"{name}_us": host_us(fn, sync) for name, fn in raws.items()})
+            rows.append(row)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    report = {"torch": torch.__version__, "device": device if args.quick else torch.cuda.get_device_name(),
+              "providers": d4.providers(device), "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def plot(report: dict, path: str) -> None:
+    """Bars per case: ours, and each raw call measured next to it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    names = [k for k in ("ours_us", "raw_op_us", "wrapper_us") if any(k in r for r in rows)]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, r in enumerate(rows) if name in r]
+        ax.bar(xs, [r[name] for r in rows if name in r], width, label=name.removesuffix("_us"))
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['op'].replace('flash_mla_', '').replace('fused_k_norm_rope_flashmla', 'store')}\n{r['size']}"
+                        for r in rows], fontsize=8)
+    ax.set_ylabel("host µs per eager call")
+    ax.set_title(f"dsv4 eager call vs raw library ({report['device']}, torch {report['torch']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
