@@ -112,14 +112,16 @@ class Checker:
 
     def tensor(self, arg: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int | None]) -> torch.Tensor:
         """Check type, dtype, rank and sizes (``None`` = any) of one tensor argument."""
-        if isinstance(t, torch.Tensor) and t.dtype in dtypes:
+        try:
             size = t.shape
-            if len(size) == len(shape):
-                for want, got in zip(shape, size):
-                    if want is not None and want != got:
+            if t.dtype in dtypes and len(size) == len(shape):
+                for i, want in enumerate(shape):
+                    if want is not None and want != size[i]:
                         break
                 else:
                     return t
+        except AttributeError:  # not a tensor: said below
+            pass
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
         dims = ", ".join("*" if n is None else str(n) for n in shape)
         expected = f"{names} [{dims}]"

@@ -366,6 +366,29 @@ def provider_chain(device: torch.device | str | None = None) -> dict[str, list[t
     return chain
 
 
+_Tensor = torch.Tensor
+
+
+def direct_call_allowed(*tensors) -> bool:
+    """Whether a call from the Python wrappers (``dsv4_compile.flash_mla_with_kvcache``, ...) may
+    skip the dispatcher and run :func:`backend_kernel`'s path directly, as the dispatcher would
+    route it: eager (not traced by ``torch.compile``/``torch.export``), no dispatch or function
+    mode, no functorch transform, the profiler off (so traces show the ``dsv4`` op), and every
+    tensor a plain ``torch.Tensor`` on CPU, CUDA or XPU (``None`` skipped)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._autograd._profiler_enabled()
+    ):
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or not (t.is_cuda or t.is_cpu or t.is_xpu)):
+            return False
+    return True
+
+
 def backend_kernel(
     op: str,
     device_type: str | None,

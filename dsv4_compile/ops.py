@@ -180,13 +180,21 @@ GRAD_ARGS = {
     for op in SCHEMAS
 }
 
+#: Per op, the kernel the dispatcher reaches for tensors of any device type; the Python wrappers
+#: below call it directly in plain eager use (``dispatch.direct_call_allowed``): same checks, same
+#: provider, without the dispatcher's round trip.
+DIRECT = {}
+
 for _op in SCHEMAS:
     _parts = (_schema_defaults(_op), *CHECKS[_op], CALLS[_op], GRAD_ARGS[_op])
     for _key in ("CPU", "CUDA", "XPU"):
         _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), *_parts), _key)
-    _lib.impl(_op, dispatch.backend_kernel(_op, None, *_parts), "CompositeExplicitAutograd")
+    DIRECT[_op] = dispatch.backend_kernel(_op, None, *_parts)
+    _lib.impl(_op, DIRECT[_op], "CompositeExplicitAutograd")
     # No backward: autograd falls through to the kernel above, which rejects inputs requiring grad.
     _lib.impl(_op, torch.library.fallthrough_kernel, "Autograd")
+
+_direct_call_allowed = dispatch.direct_call_allowed
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,9 +220,10 @@ def fused_k_norm_rope_flashmla(
     """
     if isinstance(freqs, torch.Tensor) and freqs.is_complex():
         freqs = torch.view_as_real(freqs).flatten(-2).float()
-    torch.ops.dsv4.fused_k_norm_rope_flashmla.default(
-        kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size
-    )
+    args = (kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size)
+    if _direct_call_allowed(kv, kv_weight, freqs, positions, out_loc, kvcache):
+        return DIRECT["fused_k_norm_rope_flashmla"](*args)
+    torch.ops.dsv4.fused_k_norm_rope_flashmla.default(*args)
 
 
 def flash_mla_with_kvcache(
@@ -240,11 +249,15 @@ def flash_mla_with_kvcache(
     """
     if softmax_scale is None:
         softmax_scale = layout.HEAD_DIM**-0.5
-    return torch.ops.dsv4.flash_mla_with_kvcache.default(
+    args = (
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, float(softmax_scale), head_dim_v,
     )
+    if _direct_call_allowed(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+                            extra_topk_length, tile_scheduler_metadata, num_splits):
+        return DIRECT["flash_mla_with_kvcache"](*args)
+    return torch.ops.dsv4.flash_mla_with_kvcache.default(*args)
 
 
 def flash_mla_sparse_fwd(
@@ -257,9 +270,10 @@ def flash_mla_sparse_fwd(
     topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse prefill over a bf16 workspace; returns ``(out, max_logits, lse)`` (natural log)."""
-    return torch.ops.dsv4.flash_mla_sparse_fwd.default(
-        q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length
-    )
+    args = (q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+    if _direct_call_allowed(q, kv, indices, attn_sink, topk_length):
+        return DIRECT["flash_mla_sparse_fwd"](*args)
+    return torch.ops.dsv4.flash_mla_sparse_fwd.default(*args)
 
 
 def get_mla_metadata(
@@ -274,6 +288,7 @@ def get_mla_metadata(
     Depends on the shapes *and the length values*: compute it once per step, after the lengths
     are final, and share it between the layers of that step. Empty on devices without a scheduler.
     """
-    return torch.ops.dsv4.get_mla_metadata.default(
-        q, indices, topk_length, extra_indices, extra_topk_length
-    )
+    args = (q, indices, topk_length, extra_indices, extra_topk_length)
+    if _direct_call_allowed(*args):
+        return DIRECT["get_mla_metadata"](*args)
+    return torch.ops.dsv4.get_mla_metadata.default(*args)

@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checks, dispatch, layout, ops
 
@@ -49,8 +49,12 @@ def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _pad_last(t: torch.Tensor, width: int, value) -> torch.Tensor:
-    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]), value=value)
+def _pad_width(indices: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``indices`` padded with ``-1`` holes to a width that is a positive multiple of ``multiple``."""
+    width = indices.shape[-1]
+    if width % multiple == 0 and width:
+        return indices
+    return F.pad(indices, (0, _round_up(width, multiple) - width), value=-1)
 
 
 def _head_groups(heads: int):
@@ -77,15 +81,16 @@ class FlashMLAKernels:
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
                  prefill_has_stats_flags: bool):
         self.name = name  # the provider's
-        self.ns = namespace
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
         self.device = device
+        self.decode_op = namespace.sparse_decode_fwd.default
+        self.prefill_op = namespace.sparse_prefill_fwd.default
 
     # ---- decode ----
 
     def _raw_decode(self, q, kv, idx, lengths, sink, meta, splits, extra_kv, extra_idx, extra_lengths, scale):
-        return self.ns.sparse_decode_fwd.default(
+        return self.decode_op(
             q, kv, idx, lengths, sink, meta, splits, extra_kv, extra_idx, extra_lengths,
             layout.HEAD_DIM, scale,
         )
@@ -125,31 +130,30 @@ class FlashMLAKernels:
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
     ):
-        batch, s_q, heads = q.shape[:3]
+        batch, s_q, heads, _ = q.shape
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
-        # metadata from another provider (empty) means "compute it inside"
-        if tile_scheduler_metadata is not None and tile_scheduler_metadata.numel() == 0:
-            tile_scheduler_metadata = num_splits = None
-        if tile_scheduler_metadata is not None and checks.checked_mode():
-            _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
-                         tile_scheduler_metadata, num_splits)
+        if tile_scheduler_metadata is not None:
+            if tile_scheduler_metadata.numel() == 0:  # from a device without a scheduler: compute inside
+                tile_scheduler_metadata = num_splits = None
+            elif checks.checked_mode():
+                _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
+                             tile_scheduler_metadata, num_splits)
         kv = _view(k_cache, page_size)
-        idx = _pad_last(indices, _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
+        idx = _pad_width(indices, DECODE_TOPK_MULTIPLE)
         extra_kv = extra_idx = None
         if extra_k_cache is not None:
             extra_kv = _view(extra_k_cache, extra_page_size)
-            extra_idx = _pad_last(extra_indices, _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE), -1)
+            extra_idx = _pad_width(extra_indices, DECODE_TOPK_MULTIPLE)
 
-        groups = list(_head_groups(heads))
-        if len(groups) == 1 and groups[0][2] == heads:  # no padding: the kernel's outputs are ours
-            out, lse, _, _ = self._raw_decode(
+        if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
+            out, lse, _, _ = self.decode_op(
                 q, kv, idx, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
-                extra_kv, extra_idx, extra_topk_length, softmax_scale,
+                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
             )
             return out, lse
         out, lse = ops.decode_outputs(q, head_dim_v)
-        for start, stop, padded in groups:
+        for start, stop, padded in _head_groups(heads):
             qg = _pad_heads(q, 2, start, stop, padded)
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
             o, l, _, _ = self._raw_decode(
@@ -167,13 +171,11 @@ class FlashMLAKernels:
         if s_q == 0 or kv.shape[0] == 0:  # nothing to attend; FlashMLA refuses empty launches
             out, max_logits, lse = ops.prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
-        idx = _pad_last(indices, _round_up(indices.shape[-1], PREFILL_TOPK_MULTIPLE), -1)
-        groups = list(_head_groups(heads))
-        unpadded = len(groups) == 1 and groups[0][2] == heads
-        if unpadded:
+        idx = _pad_width(indices, PREFILL_TOPK_MULTIPLE)
+        if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
             return self._raw_prefill(q, kv, idx, sm_scale, attn_sink, topk_length)
         out, max_logits, lse = ops.prefill_outputs(q, d_v)
-        for start, stop, padded in groups:
+        for start, stop, padded in _head_groups(heads):
             qg = _pad_heads(q, 1, start, stop, padded)
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
             o, m, l = self._raw_prefill(qg, kv, idx, sm_scale, sink, topk_length)
@@ -184,13 +186,9 @@ class FlashMLAKernels:
 
     def _raw_prefill(self, q, kv, idx, sm_scale, sink, topk_length):
         if self.prefill_has_stats_flags:  # legacy: natural-log statistics, always returned
-            out, max_logits, lse = self.ns.sparse_prefill_fwd.default(
-                q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length, False, True
-            )
+            out, max_logits, lse = self.prefill_op(q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length, False, True)
         else:
-            out, max_logits, lse = self.ns.sparse_prefill_fwd.default(
-                q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length
-            )
+            out, max_logits, lse = self.prefill_op(q, kv, idx, sm_scale, layout.HEAD_DIM, sink, topk_length)
         if self.prefill_log2:  # base-2 statistics -> natural log (+-inf stay +-inf)
             max_logits, lse = max_logits * LN2, lse * LN2
         return out, max_logits, lse
@@ -214,17 +212,20 @@ def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_len
         )
 
 
-_VIEWS = WeakIdKeyDictionary()  # base cache -> (page size, data pointer, its FlashMLA view)
+_VIEWS: dict = {}  # id(base cache) -> (weak ref to it, page size, data pointer, its FlashMLA view)
 
 
 def _view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """``layout.flashmla_view(cache, page_size)``, built once per cache tensor (three tensor ops
-    saved per call of the eager hot path); rebuilt if the page size or the storage changed."""
-    hit = _VIEWS.get(cache)
-    ptr = cache.data_ptr()
-    if hit is None or hit[0] != page_size or hit[1] != ptr:
-        hit = _VIEWS[cache] = (page_size, ptr, layout.flashmla_view(cache, page_size))
-    return hit[2]
+    saved per call of the eager hot path); rebuilt if the page size or the storage changed. An
+    entry leaves with its cache (weak reference callback), so an id is never matched to another
+    tensor."""
+    key = id(cache)
+    hit = _VIEWS.get(key)
+    if hit is None or hit[0]() is not cache or hit[1] != page_size or hit[2] != cache.data_ptr():
+        ref = weakref.ref(cache, lambda _, key=key: _VIEWS.pop(key, None))
+        hit = _VIEWS[key] = (ref, page_size, cache.data_ptr(), layout.flashmla_view(cache, page_size))
+    return hit[3]
 
 
 @functools.lru_cache(maxsize=None)

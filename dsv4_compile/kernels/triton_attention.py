@@ -517,8 +517,7 @@ def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     return out, max_logits, lse
 
 
-def _eager(kernel):
-    return kernel
+_eager = triton_common.eager  # eager launches: jitted kernel -> its EagerLauncher
 
 
 # --------------------------------------------------------------------------------------------

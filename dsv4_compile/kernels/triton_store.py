@@ -156,7 +156,8 @@ def _triton():
 
 
 def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
-    """Launch ``kernel`` (the jitted kernel, or it wrapped by ``wrap_triton``) over all tokens."""
+    """Launch ``kernel`` (the jitted kernel, its ``triton_common.eager`` launcher, or it wrapped by
+    ``wrap_triton``) over all tokens."""
     num_tokens = kv.shape[0]
     if num_tokens == 0:
         return
@@ -172,7 +173,7 @@ def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache
     """The provider kernel (eager) on validated arguments: one launch, no host sync."""
     _triton()
     with triton_common.device_guard(kv.device):
-        _launch(_store_kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
+        _launch(triton_common.eager(_store_kernel), kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
 
 
 def load(device: torch.device) -> dict:
