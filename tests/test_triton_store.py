@@ -351,6 +351,26 @@ def test_op_on_cuda_uses_triton_and_matches_reference():
 
 @pytest.mark.cuda
 @compiled_triton
+def test_eager_launcher_compiles_per_alignment():
+    """Eager launches reuse a compiled kernel per specialisation: a kv whose rows start 2 bytes
+    off 16-byte alignment gets its own kernel, and every call matches the reference."""
+    from dsv4_compile.kernels import triton_common
+
+    launcher = triton_common.eager(triton_store._store_kernel)
+    launcher.compiled.clear()
+    for offset in (0, 1, 0, 1):  # aligned, misaligned, then each again from the launcher's cache
+        args = list(make_case("cuda", 12, 64))
+        wide = torch.randn(12, layout.HEAD_DIM + 8, device="cuda").to(args[0].dtype)
+        wide[:, offset : offset + layout.HEAD_DIM] = args[0]
+        args[0] = wide[:, offset : offset + layout.HEAD_DIM]
+        assert (args[0].data_ptr() % 16 == 0) == (offset == 0)
+        expected = run_both(args)
+        assert_matches_reference(args[5], expected, 64, args[4])
+    assert len(launcher.compiled) == 2 or not launcher.enabled
+
+
+@pytest.mark.cuda
+@compiled_triton
 def test_checked_mode_rejects_bad_slot_on_cuda():
     args = list(make_case("cuda", 8, 64))
     args[4][3] = layout.capacity(args[5], 64)

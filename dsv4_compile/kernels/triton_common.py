@@ -111,18 +111,18 @@ class EagerLauncher:
     host for the store. Here the key is computed from the same properties (at least as finely:
     a key of ours never maps two calls Triton would compile differently to one kernel), the
     compiled kernel the first launch of a key returns is kept, and later launches call its
-    launcher directly. Under a launch hook (profilers), while interpreting, or on a Triton version
-    not in :data:`FAST_LAUNCH_TRITON`, every launch goes through ``kernel[grid](...)``.
+    launcher directly, with the launch hooks and metadata Triton's launcher passes. While
+    interpreting, or on a Triton version not in :data:`FAST_LAUNCH_TRITON`, every launch goes
+    through ``kernel[grid](...)``.
     """
 
-    __slots__ = ("kernel", "compiled", "runtime_args", "enabled")
+    __slots__ = ("kernel", "compiled", "enabled")
 
     def __init__(self, kernel):
         import triton
 
         self.kernel = kernel
         self.compiled = {}
-        self.runtime_args = None  # the number of non-constexpr parameters, set at the first launch
         self.enabled = (
             not interpreting(kernel) and triton.__version__.startswith(FAST_LAUNCH_TRITON)
         )
@@ -134,7 +134,7 @@ class EagerLauncher:
         from triton import knobs
         from triton.runtime import driver
 
-        if not self.enabled or knobs.runtime.launch_enter_hook is not None:
+        if not self.enabled:
             return self.kernel[grid](*args, **kwargs)
         device = driver.active.get_current_device()
         key = (device, tuple(map(_specialisation, args)), *kwargs.items())
@@ -142,12 +142,13 @@ class EagerLauncher:
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **kwargs)
             return
-        names = self.kernel.arg_names
-        constexprs = [kwargs[name] for name in names[len(args):]]
+        bound = (*args, *[kwargs[name] for name in self.kernel.arg_names[len(args):]])
+        stream = driver.active.get_current_stream(device)
         grid = (*grid, 1, 1)
+        hooks = knobs.runtime  # launch hooks (profilers) run as Triton's own launcher runs them
         compiled.run(
-            grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *args, *constexprs,
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(grid, stream, *bound), hooks.launch_enter_hook, hooks.launch_exit_hook, *bound,
         )
 
 
