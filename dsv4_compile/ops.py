@@ -1,6 +1,6 @@
 """The ``dsv4`` operator contract: schemas, fake implementations, registration, public wrappers.
 
-This file is the one place to read what each op takes and returns (DESIGN.md §2). Importing it
+This file is the one place to read what each op takes and returns (docs/design.md §2). Importing it
 defines the ops in the ``dsv4`` namespace, registers their fakes (so ``torch.compile`` traces
 through them without a graph break), and registers one kernel per dispatch key — ``CPU``,
 ``CUDA``, ``XPU``, plus ``CompositeExplicitAutograd`` for any other device — each a trampoline into

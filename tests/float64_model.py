@@ -1,4 +1,4 @@
-"""An independent float64 model of the dsv4 ops, written straight from DESIGN.md §2.
+"""An independent float64 model of the dsv4 ops, written straight from docs/design.md §2.
 
 Nothing here calls dsv4_compile's kernels or layout helpers: the fp8 e4m3 codec, the UE8M0 scale,
 the byte offsets and the attention math are re-derived with plain Python/NumPy-style loops, so the
@@ -67,7 +67,7 @@ def store_token(x: list[float], w: list[float], cs: list[float], eps: float) -> 
 
 
 def decode_cache_token(cache: torch.Tensor, page_size: int, slot: int) -> list[float]:
-    """The 512 values of the token at ``slot``, decoded from raw bytes by the layout in DESIGN §2.2."""
+    """The 512 values of the token at ``slot``, decoded from raw bytes by the layout in docs/design.md §2.2."""
     page, off = divmod(slot, page_size)
     row = cache[page].tolist()
     data = row[off * 576 : off * 576 + 576]

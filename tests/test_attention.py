@@ -1,4 +1,4 @@
-"""Sparse decode and prefill on the reference, against the float64 model (DESIGN §2.3, §2.4)."""
+"""Sparse decode and prefill on the reference, against the float64 model (docs/design.md §2.3, §2.4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""torch.compile of one DSV4 attention layer (DESIGN.md §4): one graph, no breaks, the dsv4 ops
+"""torch.compile of one DSV4 attention layer (docs/design.md §4): one graph, no breaks, the dsv4 ops
 in the generated code, no copy of any cache, compiled == eager, at most one dynamic recompile.
 
 Every layer kind (compress_ratio 0, 4, 128) in both attention modes. A step is "build the step

@@ -15,7 +15,7 @@ STORE = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
 
 
 def expected_writes(page_size, stride, slot, data, scales):
-    """``{flat byte offset: value}`` written for one token, by DESIGN §2.2's offsets."""
+    """``{flat byte offset: value}`` written for one token, by docs/design.md §2.2's offsets."""
     page, off = divmod(slot, page_size)
     base = page * stride
     writes = {base + off * 576 + i: b for i, b in enumerate(data)}

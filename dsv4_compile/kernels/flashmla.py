@@ -10,7 +10,7 @@ Two providers, tried in this order:
 
 Both expose the same ``sparse_decode_fwd`` / ``sparse_prefill_fwd`` ops; we call them directly —
 our op *is* the wrapper, with no scheduler object and no per-call Python asserts. The adapters
-absorb every restriction of those kernels (DESIGN §2.3, §6):
+absorb every restriction of those kernels (docs/design.md §2.3, §6):
 
 * heads: padded with zero queries to 64 or 128 (more than 128: groups of 128), outputs sliced;
 * index widths: padded with ``-1`` to a multiple of 64 (decode) / 128 (prefill);

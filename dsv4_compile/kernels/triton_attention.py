@@ -2,7 +2,7 @@
 
 They run wherever Triton runs (NVIDIA Ampere .. Blackwell, AMD, Intel XPU): plain ``tl.dot`` in
 bf16 with fp32 accumulation, no fp8 dtype, no architecture-specific instruction. Semantics are the
-contract's (DESIGN.md §2.3, §2.4) for every head count, page size, page stride, index width and
+contract's (docs/design.md §2.3, §2.4) for every head count, page size, page stride, index width and
 length; the kernels take the ops' arguments in schema order and return the fakes' geometry.
 
 **Decode** (over the paged V4 FP8 caches, layout §2.2). A program handles one query row
@@ -530,7 +530,7 @@ def flash_mla_with_kvcache(
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
 ):
-    """``dsv4::flash_mla_with_kvcache`` (DESIGN §2.3) on validated arguments; scheduler metadata
+    """``dsv4::flash_mla_with_kvcache`` (docs/design.md §2.3) on validated arguments; scheduler metadata
     is ignored. No host sync: capture-safe."""
     _triton()
     with triton_common.device_guard(q.device):
@@ -540,7 +540,7 @@ def flash_mla_with_kvcache(
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    """``dsv4::flash_mla_sparse_fwd`` (DESIGN §2.4) on validated arguments: ``(out, max_logits,
+    """``dsv4::flash_mla_sparse_fwd`` (docs/design.md §2.4) on validated arguments: ``(out, max_logits,
     lse)``, natural log. No host sync: capture-safe."""
     _triton()
     with triton_common.device_guard(q.device):

@@ -152,13 +152,21 @@ class EagerLauncher:
         )
 
 
+_I32_MIN, _I32_END, _I64_END = -(2**31), 2**31, 2**63
+
+
 def _specialisation(arg):
-    """What Triton's launcher specialises a runtime argument on (or finer)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if type(arg) is int:
-        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
-    return type(arg), arg if type(arg) is bool else None
+    """What Triton's launcher specialises a runtime argument on (or finer): a tensor's dtype and
+    16-byte alignment; an int's ``== 1``, divisibility by 16 and integer type; a float's type; a
+    bool's value."""
+    kind = type(arg)
+    if kind is int:
+        return arg == 1, arg % 16 == 0, _I32_MIN <= arg < _I32_END, arg < _I64_END
+    if kind is float:
+        return float
+    if kind is bool:
+        return arg
+    return arg.dtype, arg.data_ptr() % 16 == 0  # a tensor
 
 
 _LAUNCHERS: dict = {}

@@ -1,6 +1,6 @@
 """Triton kernel for ``dsv4::fused_k_norm_rope_flashmla`` on CUDA and XPU (provider ``"triton"``).
 
-One program stores ``BLOCK_T`` tokens. Per token, in fp32 (DESIGN.md §2.1, layout §2.2)::
+One program stores ``BLOCK_T`` tokens. Per token, in fp32 (docs/design.md §2.1, layout §2.2)::
 
     y     = x * rsqrt(mean(x^2) + eps) * w                              all 512 dims, overflow-free
                                                                         (reference.rms_norm)

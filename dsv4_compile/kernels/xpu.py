@@ -2,7 +2,7 @@
 
 sgl-kernel-xpu exports ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd`` and
 ``fused_k_norm_rope_flashmla`` at the top level of ``sgl_kernel``. Its conventions differ from the
-``dsv4`` contract (DESIGN.md §6); each adapter below turns a contract call into the call the library
+``dsv4`` contract (docs/design.md §6); each adapter below turns a contract call into the call the library
 accepts and its result back into what the op's fake promises:
 
 * decode: no scheduler (``get_mla_metadata`` returns two empty tensors; metadata passed to the

@@ -1,4 +1,4 @@
-"""``DeepseekV4Attention``: one DSV4 attention layer over the ``dsv4`` ops (DESIGN.md §4).
+"""``DeepseekV4Attention``: one DSV4 attention layer over the ``dsv4`` ops (docs/design.md §4).
 
 Math per step (upstream: SGLang ``python/sglang/srt/models/deepseek_v4.py`` ``MQALayer``,
 revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``:
