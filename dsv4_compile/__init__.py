@@ -8,17 +8,19 @@ from . import kernels as _kernels  # noqa: F401  (registers the providers)
 from . import layout, ops
 from .checks import checked, checked_mode
 from .dispatch import ProviderUnavailable, providers, use_provider
-from .layout import alloc_cache, dequant_workspace, flashmla_view, gather_dequant, page_bytes
+from .layout import FORMATS, alloc_cache, dequant_workspace, flashmla_view, gather_dequant, page_bytes
 from .ops import (
     flash_mla_sparse_fwd,
     flash_mla_with_kvcache,
     fused_k_norm_rope_flashmla,
     get_mla_metadata,
+    quantize_store,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FORMATS",
     "ProviderUnavailable",
     "alloc_cache",
     "checked",
@@ -34,5 +36,6 @@ __all__ = [
     "ops",
     "page_bytes",
     "providers",
+    "quantize_store",
     "use_provider",
 ]

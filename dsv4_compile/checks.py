@@ -144,28 +144,39 @@ class Checker:
             self.fail(arg, f"at most {MAX_INDEX_WIDTH} index columns wide", t)
         return t.shape[-1]
 
-    def cache(self, arg: str, cache, page_size: int) -> None:
-        """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * 584."""
+    def kv_format(self, arg: str, name) -> layout.CacheFormat:
+        """One of ``layout.FORMATS``, by name."""
+        fmt = layout.FORMATS.get(name) if isinstance(name, str) else None
+        if fmt is None:
+            self.fail(arg, f"one of {list(layout.FORMATS)}", name)
+        return fmt
+
+    def cache(self, arg: str, cache, page_size: int, fmt: layout.CacheFormat = layout.V4) -> None:
+        """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * token bytes."""
+        token = fmt.token_bytes
         if (
             isinstance(cache, torch.Tensor)
             and cache.dtype == torch.uint8
             and cache.dim() == 2
             and cache.shape[0] >= 1
-            and cache.shape[1] >= page_size * layout.TOKEN_BYTES
+            and cache.shape[1] >= page_size * token
             and cache.is_contiguous()
         ):
             return
-        expected = f"the uint8 base cache tensor [num_pages, >= page_size*584={page_size * layout.TOKEN_BYTES}]"
+        expected = (
+            f"the uint8 base cache tensor [num_pages, >= page_size*{token}={page_size * token}] "
+            f"({fmt.name})"
+        )
         if not isinstance(cache, torch.Tensor):
             self.fail(arg, expected, cache, TypeError)
         if cache.dtype != torch.uint8 or cache.dim() != 2:
             raise (TypeError if cache.dtype != torch.uint8 else ValueError)(
                 f"dsv4.{self.op}: {arg} must be {expected} "
                 f"(canonical: dsv4_compile.alloc_cache -> uint8 [num_pages, page_bytes({page_size})="
-                f"{layout.page_bytes(page_size)}]), got {_describe(cache)}; pass the base tensor the "
+                f"{fmt.page_bytes(page_size)}]), got {_describe(cache)}; pass the base tensor the "
                 f"view was made from, not a dtype or 4-D view of it"
             )
-        if cache.shape[1] < page_size * layout.TOKEN_BYTES:
+        if cache.shape[1] < page_size * token:
             self.fail(arg, expected, cache)
         if cache.shape[0] < 1:
             self.fail(arg, f"{expected} with at least one page", cache)
@@ -229,13 +240,15 @@ _DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra
                    "extra_topk_length", "tile_scheduler_metadata", "num_splits")
 _PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
 _METADATA_TENSORS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
+_QUANTIZE_STORE_TENSORS = ("kv", "out_loc", "kvcache")
 _STORE = Checker("fused_k_norm_rope_flashmla")
+_QUANTIZE_STORE = Checker("quantize_store")
 _DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
 
 
-def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> int:
+def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> int:
     c = _STORE
     c.same_device(_STORE_TENSORS, kv, kv_weight, freqs, positions, out_loc, kvcache)
     c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))
@@ -247,13 +260,13 @@ def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_siz
     c.tensor("positions", positions, _INDEX_DTYPES, (num_tokens,))
     c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
     c.positive_int("page_size", page_size)
-    c.cache("kvcache", kvcache, page_size)
+    c.cache("kvcache", kvcache, page_size, c.kv_format("kv_format", kv_format))
     if type(eps) is not float or not eps >= 0.0:
         c.fail("eps", "a non-negative float", eps)
     return num_tokens
 
 
-def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
+def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> None:
     if kv.shape[0] == 0:
         return
     c = _STORE
@@ -263,10 +276,28 @@ def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
+def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4") -> int:
+    c = _QUANTIZE_STORE
+    c.same_device(_QUANTIZE_STORE_TENSORS, kv, out_loc, kvcache)
+    c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))
+    num_tokens = kv.shape[0]
+    if kv.stride(1) != 1:
+        c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
+    c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
+    c.positive_int("page_size", page_size)
+    c.cache("kvcache", kvcache, page_size, c.kv_format("kv_format", kv_format))
+    return num_tokens
+
+
+def check_quantize_store_data(kv, out_loc, kvcache, page_size, kv_format="v4") -> None:
+    if kv.shape[0]:
+        _QUANTIZE_STORE.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
+
+
 def check_decode(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
 ) -> tuple[int, int, int]:
     c = _DECODE
     c.same_device(
@@ -276,18 +307,26 @@ def check_decode(
     c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
     batch, s_q, heads = q.shape[:3]
     c.positive_int("page_size", page_size)
-    c.cache("k_cache", k_cache, page_size)
+    fmt = c.kv_format("kv_format", kv_format)
+    if fmt.values == "fp4":
+        c.fail("kv_format", "an FP8 format for the main cache (FP4 serves only as the extra cache)", kv_format)
+    c.cache("k_cache", k_cache, page_size, fmt)
     c.tensor("indices", indices, _I32, (batch, s_q, None))
     c.width("indices", indices)
     c.optional("topk_length", topk_length, _I32, (batch,))
     c.optional("attn_sink", attn_sink, _F32, (heads,))
     if extra_k_cache is None:
-        for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length)):
+        for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length),
+                           ("extra_kv_format", extra_kv_format)):
             if value is not None:
                 c.fail(arg, "None when extra_k_cache is None", value)
     else:
         c.positive_int("extra_page_size", extra_page_size)
-        c.cache("extra_k_cache", extra_k_cache, extra_page_size)
+        extra_fmt = fmt if extra_kv_format is None else c.kv_format("extra_kv_format", extra_kv_format)
+        if extra_fmt.is_v4 != fmt.is_v4:
+            c.fail("extra_kv_format", f"a {'V4' if fmt.is_v4 else 'V4.1'} format like kv_format={fmt.name!r}",
+                   extra_fmt.name)
+        c.cache("extra_k_cache", extra_k_cache, extra_page_size, extra_fmt)
         if extra_indices is None:
             c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
         c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None))
@@ -311,7 +350,7 @@ def check_decode(
 def check_decode_data(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
 ) -> None:
     c = _DECODE
     c.lengths_within("topk_length", topk_length, indices.shape[-1])

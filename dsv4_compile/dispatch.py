@@ -36,6 +36,7 @@ from . import checks
 
 OPS = (
     "fused_k_norm_rope_flashmla",
+    "quantize_store",
     "flash_mla_with_kvcache",
     "flash_mla_sparse_fwd",
     "get_mla_metadata",

@@ -1,7 +1,13 @@
-"""The DSV4 ("V4") paged FP8 KV-cache layout: constants, allocation, slots, views, dequantization.
+"""The paged KV-cache formats of DeepSeek V4 and V4.1: constants, geometry, allocation, slots,
+views, dequantization.
 
-One layer's cache is a **base** ``uint8`` tensor ``[num_pages, page_stride]``. A page holds
-``page_size`` (P) tokens in ``P * TOKEN_BYTES`` bytes, split into two regions::
+One layer's cache is a **base** ``uint8`` tensor ``[num_pages, page_stride]`` holding ``page_size``
+(P) tokens per page; a token is addressed by its **slot** ``page * P + offset`` (``-1``: a hole).
+The bytes of a token depend on the cache's :class:`CacheFormat`, which the uint8 tensor cannot say:
+the ops take it as ``kv_format`` (default ``"v4"``).
+
+``"v4"`` (DSV4, 584 bytes per token), block-split: a page holds the P data records, then the P
+scale records::
 
     [0, P*576)            P data records, 576 bytes each:
                               448 float8_e4m3fn values (dims 0..447, scaled)
@@ -10,30 +16,45 @@ One layer's cache is a **base** ``uint8`` tensor ``[num_pages, page_stride]``. A
                               7 UE8M0 exponent bytes b (scale 2**(b - 127), one per 64-dim tile)
                               1 pad byte (0)
 
-``page_stride`` may be larger than ``P * 584``; the canonical allocation rounds it up to a multiple
-of 576 (:func:`page_bytes`). A token is addressed by its **slot** ``page * P + offset``; slot ``-1``
-is a hole.
+canonical page stride ``ceil(P*584 / 576) * 576`` (:func:`page_bytes`).
 
+DSV4.1 quantizes all 512 dims (no bf16 part):
+
+* ``"v4.1-fp8"``: 528 bytes per token: 512 float8_e4m3fn values, then 16 UE8M0 bytes (one per 32
+  values); ``"v4.1-fp4"``: 288 bytes per token: 512 e2m1 codes two per byte (the even-indexed value
+  in the low nibble), then 32 float8_e4m3fn scales (one per 16 values). FP4 serves only as the
+  *extra* (compressed) cache next to an FP8 main cache.
+* Two arrangements of the same token bytes: **block-split** (``"v4.1-fp8"``, ``"v4.1-fp4"``: the
+  P tokens' data, then the P tokens' scales; canonical page stride padded to a multiple of 512 / 256
+  bytes, as SGLang allocates them) and **interleaved** (``"v4.1-fp8-interleaved"``,
+  ``"v4.1-fp4-interleaved"``: each token's data immediately followed by its scales; canonical
+  stride ``P * token_bytes``; what FlashMLA's current kernels read).
+
+Every op accepts any page stride ``>= P * token_bytes`` and takes it from the tensor.
 Everything here is plain, traceable PyTorch: Inductor generates and fuses these kernels itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 HEAD_DIM = 512  # D: the full key / query dimension (V = K)
-NOPE_DIM = 448  # dims 0..447: stored as fp8 with per-tile scales
-ROPE_DIM = 64  # dims 448..511: stored as bf16
-TILE = 64  # width of one quantization tile
-NUM_TILES = NOPE_DIM // TILE  # 7 scale exponents per token
-DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576: fp8 values then bf16 RoPE values
-SCALE_BYTES = NUM_TILES + 1  # 8: 7 exponents then one pad byte
-TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584
-PAGE_ALIGN = DATA_BYTES  # canonical page strides are multiples of 576
+NOPE_DIM = 448  # dims 0..447: stored as fp8 with per-tile scales (V4)
+ROPE_DIM = 64  # dims 448..511: stored as bf16 (V4)
+TILE = 64  # width of one quantization tile (V4)
+NUM_TILES = NOPE_DIM // TILE  # 7 scale exponents per token (V4)
+DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576: fp8 values then bf16 RoPE values (V4)
+SCALE_BYTES = NUM_TILES + 1  # 8: 7 exponents then one pad byte (V4)
+TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584 (V4)
+PAGE_ALIGN = DATA_BYTES  # canonical V4 page strides are multiples of 576
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_MIN = 1e-4  # amax floor before the scale is computed
+SCALE_MIN = 1e-4  # V4: amax floor before the scale is computed; V4.1 FP8: floor of amax / 448
 UE8M0_BIAS = 127
-#: The records of a token stored from non-finite values: fp8 NaN (0x7F) x 448, bf16 NaN x 64;
+FP4_MAX = 6.0  # largest e2m1 magnitude
+FP4_SCALE_MIN = 2.0**-9  # V4.1 FP4: floor of amax / 6 (the smallest e4m3 subnormal)
+#: The records of a V4 token stored from non-finite values: fp8 NaN (0x7F) x 448, bf16 NaN x 64;
 #: UE8M0 NaN (0xFF) x 7 and the 0 pad byte. Such a token dequantizes to NaN in every dim.
 NAN_DATA_RECORD = torch.cat([
     torch.full((NOPE_DIM,), 0x7F, dtype=torch.uint8),
@@ -42,14 +63,85 @@ NAN_DATA_RECORD = torch.cat([
 NAN_SCALE_RECORD = torch.tensor([0xFF] * NUM_TILES + [0], dtype=torch.uint8)
 
 
-def page_bytes(page_size: int) -> int:
-    """Canonical page stride in bytes for ``page_size`` tokens: ``ceil(P*584 / 576) * 576``.
+@dataclass(frozen=True)
+class CacheFormat:
+    """One paged KV-cache format: a token's bytes and where they sit in a page.
 
-    ``page_bytes(256) == 149760``, ``page_bytes(64) == 37440``, ``page_bytes(2) == 1728``.
+    ``values``: ``"fp8+bf16"`` (V4), ``"fp8"`` or ``"fp4"`` (V4.1). A token is ``data_bytes`` of
+    values then ``scale_bytes`` of scales, one scale per ``group`` values; ``interleaved`` pages
+    keep each token's data and scales together, block-split pages hold all data records, then all
+    scale records. ``align``: block-split canonical page strides are multiples of it.
+    ``nan_data`` / ``nan_scales``: the bytes of a token stored from non-finite values (it
+    dequantizes to NaN in every dim).
+    """
+
+    name: str
+    values: str
+    data_bytes: int
+    scale_bytes: int
+    group: int
+    interleaved: bool
+    align: int
+    nan_data: tuple[int, ...]
+    nan_scales: tuple[int, ...]
+
+    @property
+    def token_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+    @property
+    def is_v4(self) -> bool:
+        return self.values == "fp8+bf16"
+
+    def page_bytes(self, page_size: int) -> int:
+        """Canonical page stride for ``page_size`` tokens."""
+        used = page_size * self.token_bytes
+        return used if self.interleaved else -(-used // self.align) * self.align
+
+    def data_offset(self, page_size, offset):
+        """Byte offset, within its page, of the data record of token ``offset``."""
+        return offset * (self.token_bytes if self.interleaved else self.data_bytes)
+
+    def scale_offset(self, page_size, offset):
+        """Byte offset, within its page, of the scale record of token ``offset``."""
+        if self.interleaved:
+            return offset * self.token_bytes + self.data_bytes
+        return page_size * self.data_bytes + offset * self.scale_bytes
+
+
+V4 = CacheFormat("v4", "fp8+bf16", DATA_BYTES, SCALE_BYTES, TILE, False, PAGE_ALIGN,
+                 tuple(NAN_DATA_RECORD.tolist()), tuple(NAN_SCALE_RECORD.tolist()))
+_FP8_NAN = ((0x7F,) * HEAD_DIM, (0xFF,) * (HEAD_DIM // 32))  # e4m3 NaN values, UE8M0 NaN scales
+_FP4_NAN = ((0x00,) * (HEAD_DIM // 2), (0x7F,) * (HEAD_DIM // 16))  # codes 0, e4m3 NaN scales
+V41_FP8 = CacheFormat("v4.1-fp8", "fp8", HEAD_DIM, HEAD_DIM // 32, 32, False, 512, *_FP8_NAN)
+V41_FP8_INTERLEAVED = CacheFormat("v4.1-fp8-interleaved", "fp8", HEAD_DIM, HEAD_DIM // 32, 32, True, 528, *_FP8_NAN)
+V41_FP4 = CacheFormat("v4.1-fp4", "fp4", HEAD_DIM // 2, HEAD_DIM // 16, 16, False, 256, *_FP4_NAN)
+V41_FP4_INTERLEAVED = CacheFormat("v4.1-fp4-interleaved", "fp4", HEAD_DIM // 2, HEAD_DIM // 16, 16, True, 288,
+                                  *_FP4_NAN)
+#: Every format, by the name the ops take as ``kv_format``.
+FORMATS = {f.name: f for f in (V4, V41_FP8, V41_FP8_INTERLEAVED, V41_FP4, V41_FP4_INTERLEAVED)}
+
+
+def cache_format(kv_format: str | CacheFormat) -> CacheFormat:
+    """The :class:`CacheFormat` named ``kv_format`` (one of :data:`FORMATS`)."""
+    if isinstance(kv_format, CacheFormat):
+        return kv_format
+    fmt = FORMATS.get(kv_format)
+    if fmt is None:
+        raise ValueError(f"kv_format must be one of {list(FORMATS)}, got {kv_format!r}")
+    return fmt
+
+
+def page_bytes(page_size: int, kv_format: str = "v4") -> int:
+    """Canonical page stride in bytes for ``page_size`` tokens of ``kv_format``.
+
+    V4: ``ceil(P*584 / 576) * 576`` (``page_bytes(256) == 149760``, ``page_bytes(64) == 37440``,
+    ``page_bytes(2) == 1728``); V4.1 block-split: ``P * 528`` / ``P * 288`` rounded up to a
+    multiple of 512 / 256; interleaved: ``P * 528`` / ``P * 288``.
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    return -(-page_size * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
+    return cache_format(kv_format).page_bytes(page_size)
 
 
 def alloc_cache(
@@ -58,16 +150,20 @@ def alloc_cache(
     device: torch.device | str | None = None,
     *,
     page_stride: int | None = None,
+    kv_format: str = "v4",
 ) -> torch.Tensor:
     """Allocate one layer's cache: a zeroed ``uint8 [num_pages, page_stride]`` base tensor.
 
-    ``page_stride`` defaults to :func:`page_bytes` ``(page_size)``; any value ``>= page_size*584``
-    is accepted. Pass this tensor itself (not a view of it) to the ``dsv4`` ops.
+    ``page_stride`` defaults to :func:`page_bytes` ``(page_size, kv_format)``; any value
+    ``>= page_size * token_bytes`` is accepted. Pass this tensor itself (not a view of it) to the
+    ``dsv4`` ops, with the same ``kv_format``.
     """
-    stride = page_bytes(page_size) if page_stride is None else page_stride
-    if stride < page_size * TOKEN_BYTES:
+    fmt = cache_format(kv_format)
+    stride = page_bytes(page_size, fmt.name) if page_stride is None else page_stride
+    if stride < page_size * fmt.token_bytes:
         raise ValueError(
-            f"page_stride must be >= page_size*{TOKEN_BYTES}={page_size * TOKEN_BYTES}, got {stride}"
+            f"page_stride must be >= page_size*{fmt.token_bytes}={page_size * fmt.token_bytes} "
+            f"({fmt.name}), got {stride}"
         )
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -89,59 +185,107 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
     return torch.div(slots, page_size, rounding_mode="floor"), torch.remainder(slots, page_size)
 
 
-def flashmla_view(kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The view FlashMLA's kernels read: ``float8_e4m3fn [num_pages, P, 1, 584]``, page stride kept.
+def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+    """The view FlashMLA's kernels read: ``float8_e4m3fn [num_pages, P, 1, token_bytes]``, page
+    stride kept (``v4``: 584; ``v4.1-*-interleaved``: 528 / 288).
 
-    Only the page stride (``stride(0)``) and the 584 bytes per token are meaningful in it: the data
-    and scale regions are not interleaved per token, the kernels compute their addresses.
+    In the V4 view only the page stride and the 584 bytes per token are meaningful (the data and
+    scale regions are not interleaved per token: the kernels compute their addresses); the V4.1
+    interleaved view is each token's bytes. Block-split V4.1 caches have no such view.
     """
-    num_pages = kvcache.shape[0]
-    return kvcache[:, : page_size * TOKEN_BYTES].view(torch.float8_e4m3fn).view(
-        num_pages, page_size, 1, TOKEN_BYTES
-    )
+    fmt = cache_format(kv_format)
+    if not (fmt.is_v4 or fmt.interleaved):
+        raise ValueError(f"flashmla_view: {fmt.name} caches have no FlashMLA view (block-split V4.1)")
+    num_pages, token = kvcache.shape[0], fmt.token_bytes
+    return kvcache[:, : page_size * token].view(torch.float8_e4m3fn).view(num_pages, page_size, 1, token)
 
 
 def _ue8m0_to_float(exponent_bytes: torch.Tensor) -> torch.Tensor:
-    """Exact ``2**(b - 127)`` for UE8M0 bytes ``b`` in 1..254: ``b`` is the fp32 biased exponent."""
+    """Exact ``2**(b - 127)`` for UE8M0 bytes ``b`` in 1..254 (``b`` is the fp32 biased exponent);
+    255 gives inf (so a NaN token's values are NaN), 0 gives 0."""
     return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
 
 
-def data_records(kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The data records of a base cache as a view ``uint8 [num_pages, P, 576]`` (page stride kept)."""
-    return kvcache[:, : page_size * DATA_BYTES].unflatten(1, (page_size, DATA_BYTES))
+def data_records(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+    """The data records of a base cache as a view ``uint8 [num_pages, P, data_bytes]``."""
+    fmt = cache_format(kv_format)
+    if fmt.interleaved:
+        tokens = kvcache[:, : page_size * fmt.token_bytes].unflatten(1, (page_size, fmt.token_bytes))
+        return tokens[:, :, : fmt.data_bytes]
+    return kvcache[:, : page_size * fmt.data_bytes].unflatten(1, (page_size, fmt.data_bytes))
 
 
-def scale_records(kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The scale records of a base cache as a view ``uint8 [num_pages, P, 8]`` (page stride kept)."""
-    start = page_size * DATA_BYTES
-    return kvcache[:, start : start + page_size * SCALE_BYTES].unflatten(1, (page_size, SCALE_BYTES))
+def scale_records(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+    """The scale records of a base cache as a view ``uint8 [num_pages, P, scale_bytes]``."""
+    fmt = cache_format(kv_format)
+    if fmt.interleaved:
+        tokens = kvcache[:, : page_size * fmt.token_bytes].unflatten(1, (page_size, fmt.token_bytes))
+        return tokens[:, :, fmt.data_bytes :]
+    start = page_size * fmt.data_bytes
+    return kvcache[:, start : start + page_size * fmt.scale_bytes].unflatten(1, (page_size, fmt.scale_bytes))
+
+
+def _e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bytes as fp32 values (exact)."""
+    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+
+
+#: e2m1 magnitudes by 3-bit code: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1(nibbles: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (0..15: sign bit 3) as fp32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
+    value = table[(nibbles & 7).long()]
+    return torch.where(nibbles >= 8, -value, value)
+
+
+def dequant_records(data: torch.Tensor, scales: torch.Tensor, kv_format: str = "v4") -> torch.Tensor:
+    """``[n, 512]`` fp32 values of ``n`` tokens from their data and scale records.
+
+    V4: ``fp8 * 2**(b - 127)`` for dims 0..447, the stored bf16 for 448..511. V4.1 FP8:
+    ``fp8 * 2**(b - 127)``, one UE8M0 byte ``b`` per 32 values. V4.1 FP4: ``e2m1 * e4m3 scale``, one
+    scale per 16 values. Every product is exact (in bf16 too).
+    """
+    fmt = cache_format(kv_format)
+    n = data.shape[0]
+    if fmt.is_v4:
+        nope = _e4m3(data[:, :NOPE_DIM]).view(n, NUM_TILES, TILE)
+        nope = (nope * _ue8m0_to_float(scales[:, :NUM_TILES])[:, :, None]).view(n, NOPE_DIM)
+        rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
+        return torch.cat([nope, rope], dim=-1)
+    if fmt.values == "fp8":
+        values, scale = _e4m3(data), _ue8m0_to_float(scales)
+    else:  # fp4: the even-indexed value in the low nibble
+        values = torch.stack([_e2m1(data & 0xF), _e2m1(data >> 4)], dim=-1).view(n, HEAD_DIM)
+        scale = _e4m3(scales)
+    return (values.view(n, -1, fmt.group) * scale[:, :, None]).view(n, HEAD_DIM)
 
 
 def gather_dequant(
-    kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+    kv_format: str = "v4",
 ) -> torch.Tensor:
-    """Dequantize the tokens at ``slots`` (any shape ``S``) into ``[*S, 512]`` of ``dtype``.
+    """Dequantize the tokens at ``slots`` (any shape ``S``) of a ``kv_format`` cache into
+    ``[*S, 512]`` of ``dtype`` (:func:`dequant_records`; exact in bf16).
 
-    ``value = fp8 * 2**(b - 127)`` for dims 0..447 (exact in bf16: 3 mantissa bits times a power of
-    two), the stored bf16 for dims 448..511. Negative slots (holes) read slot 0's bytes; mask them
-    yourself. Slots must be ``< num_pages * page_size``. Reads only the records of ``slots`` (one
-    ``(page, offset)`` pair of indices per token, no per-byte index tensors).
+    Negative slots (holes) read slot 0's bytes; mask them yourself. Slots must be
+    ``< num_pages * page_size``. Reads only the records of ``slots`` (one ``(page, offset)`` pair
+    of indices per token, no per-byte index tensors).
     """
     shape = slots.shape
     page, offset = page_and_offset(slots.reshape(-1).clamp_min(0), page_size)
-    data = data_records(kvcache, page_size)[page, offset]  # [n, 576] uint8
-    exps = scale_records(kvcache, page_size)[page, offset, :NUM_TILES]  # [n, 7] uint8
-    nope = data[:, :NOPE_DIM].view(torch.float8_e4m3fn).to(torch.float32)
-    nope = (nope.view(-1, NUM_TILES, TILE) * _ue8m0_to_float(exps)[:, :, None]).view(-1, NOPE_DIM)
-    rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
-    return torch.cat([nope, rope], dim=-1).to(dtype).view(*shape, HEAD_DIM)
+    data = data_records(kvcache, page_size, kv_format)[page, offset]
+    scales = scale_records(kvcache, page_size, kv_format)[page, offset]
+    return dequant_records(data, scales, kv_format).to(dtype).view(*shape, HEAD_DIM)
 
 
-def dequant_workspace(kvcache: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[n, 1, 512]`` workspace of the tokens at ``slots [n]``: the sparse-prefill ``kv``.
-
-    Holes (negative slots) become zero rows.
-    """
-    kv = gather_dequant(kvcache, page_size, slots, torch.bfloat16)
+def dequant_workspace(
+    kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, kv_format: str = "v4"
+) -> torch.Tensor:
+    """A bf16 ``[n, 1, 512]`` workspace of the tokens at ``slots [n]`` of a ``kv_format`` cache:
+    the sparse-prefill ``kv``. Holes (negative slots) become zero rows."""
+    kv = gather_dequant(kvcache, page_size, slots, torch.bfloat16, kv_format)
     kv = torch.where((slots >= 0)[:, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     return kv.unsqueeze(1)

@@ -21,13 +21,18 @@ NAMESPACE = "dsv4"
 SCHEMAS = {
     "fused_k_norm_rope_flashmla": (
         "fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size) -> ()"
+        "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format=\"v4\") -> ()"
+    ),
+    "quantize_store": (
+        "quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, "
+        "str kv_format=\"v4\") -> ()"
     ),
     "flash_mla_with_kvcache": (
         "flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, "
         "Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, "
         "Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, "
-        "Tensor? num_splits, float softmax_scale, int head_dim_v) -> (Tensor out, Tensor lse)"
+        "Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format=\"v4\", "
+        "str? extra_kv_format=None) -> (Tensor out, Tensor lse)"
     ),
     "flash_mla_sparse_fwd": (
         "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
@@ -89,20 +94,25 @@ def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.register_fake(f"{NAMESPACE}::fused_k_norm_rope_flashmla", lib=_lib)
-def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
+def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
+    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::quantize_store", lib=_lib)
+def _quantize_store_fake(kv, out_loc, kvcache, page_size, kv_format="v4"):
+    checks.check_quantize_store(kv, out_loc, kvcache, page_size, kv_format)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::flash_mla_with_kvcache", lib=_lib)
 def _decode_fake(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
 ):
     checks.check_decode(
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
     )
     return decode_outputs(q, head_dim_v)
 
@@ -132,6 +142,7 @@ def _schema_defaults(op_name: str) -> tuple:
 #: Each op's checks: metadata (every call, fakes too) and data (checked mode; providers that need them).
 CHECKS = {
     "fused_k_norm_rope_flashmla": (checks.check_store, checks.check_store_data),
+    "quantize_store": (checks.check_quantize_store, checks.check_quantize_store_data),
     "flash_mla_with_kvcache": (checks.check_decode, checks.check_decode_data),
     "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
     "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
@@ -139,19 +150,23 @@ CHECKS = {
 
 
 class StoreCall(NamedTuple):
-    """What a provider's rule may look at in a store call."""
+    """What a provider's rule may look at in a store call (either store op)."""
 
     page_size: int
     page_stride: int
+    kv_format: str
 
 
 class DecodeCall(NamedTuple):
-    """What a provider's rule may look at in a decode call (``extra_*``: 0 without an extra cache)."""
+    """What a provider's rule may look at in a decode call (``extra_*``: 0 / ``None`` without an
+    extra cache; ``extra_kv_format`` resolved: the main format when not given)."""
 
     page_size: int
     page_stride: int
     extra_page_size: int
     extra_page_stride: int
+    kv_format: str
+    extra_kv_format: str | None
 
 
 class NoCall(NamedTuple):
@@ -162,10 +177,12 @@ class NoCall(NamedTuple):
 #: tuple of the properties of a call that provider rules (``dispatch.Rule``) may depend on;
 #: resolutions are cached per key, and rules see it as ``type(*key)``.
 CALLS = {
-    "fused_k_norm_rope_flashmla": (StoreCall, lambda a: (a[7], a[5].stride(0))),
+    "fused_k_norm_rope_flashmla": (StoreCall, lambda a: (a[7], a[5].stride(0), a[8])),
+    "quantize_store": (StoreCall, lambda a: (a[3], a[2].stride(0), a[4])),
     "flash_mla_with_kvcache": (
         DecodeCall,
-        lambda a: (a[2], a[1].stride(0), 0, 0) if a[6] is None else (a[2], a[1].stride(0), a[7], a[6].stride(0)),
+        lambda a: (a[2], a[1].stride(0), 0, 0, a[14], None) if a[6] is None
+        else (a[2], a[1].stride(0), a[7], a[6].stride(0), a[14], a[15] or a[14]),
     ),
     "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
     "get_mla_metadata": (NoCall, lambda a: ()),
@@ -211,19 +228,49 @@ def fused_k_norm_rope_flashmla(
     kvcache: torch.Tensor,
     eps: float,
     page_size: int,
+    kv_format: str = "v4",
 ) -> None:
     """RMSNorm ``kv`` (weight ``kv_weight``), RoPE its dims 448..511, quantize, store at ``out_loc``.
 
-    ``freqs`` is the real ``float32 [max_pos, 64]`` table ``(cos_0, sin_0, cos_1, ...)`` or the
-    complex ``freqs_cis [max_pos, 32]``. ``out_loc`` slots below 0 are skipped. ``kvcache`` is the
-    uint8 base cache (:func:`dsv4_compile.alloc_cache`), written in place.
+    Args:
+        kv: ``[T, 512]`` bf16/fp16/fp32 keys, last dim contiguous.
+        kv_weight: ``[512]`` RMSNorm weight, dtype of ``kv``.
+        freqs: the real ``float32 [max_pos, 64]`` table ``(cos_0, sin_0, cos_1, ...)`` or the
+            complex ``freqs_cis [max_pos, 32]``.
+        positions: ``[T]`` int32/int64 rows of ``freqs``.
+        out_loc: ``[T]`` int32/int64 slots ``page * page_size + offset``; below 0: skipped.
+        kvcache: the uint8 base cache (:func:`dsv4_compile.alloc_cache`), written in place.
+        eps: the RMSNorm epsilon.
+        page_size: tokens per page of ``kvcache``.
+        kv_format: the cache's format (``layout.FORMATS``): ``"v4"`` (default) or a V4.1 one
+            (norm, bf16, RoPE, bf16, then all 512 dims quantized).
     """
     if isinstance(freqs, torch.Tensor) and freqs.is_complex():
         freqs = torch.view_as_real(freqs).flatten(-2).float()
-    args = (kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size)
+    args = (kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size, kv_format)
     if _direct_call_allowed(kv, kv_weight, freqs, positions, out_loc, kvcache):
         return DIRECT["fused_k_norm_rope_flashmla"](*args)
     torch.ops.dsv4.fused_k_norm_rope_flashmla.default(*args)
+
+
+def quantize_store(
+    kv: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, kv_format: str = "v4",
+) -> None:
+    """Quantize ``kv`` as it is (no norm, no RoPE) and store it at ``out_loc``: for caches the
+    model fills itself, e.g. the compressed (FP4) caches of DSV4.1.
+
+    Args:
+        kv: ``[T, 512]`` bf16/fp16/fp32 values, last dim contiguous (V4: dims 448..511 are stored
+            as bf16).
+        out_loc: ``[T]`` int32/int64 slots; below 0: skipped.
+        kvcache: the uint8 base cache, written in place.
+        page_size: tokens per page of ``kvcache``.
+        kv_format: the cache's format (``layout.FORMATS``, default ``"v4"``).
+    """
+    args = (kv, out_loc, kvcache, page_size, kv_format)
+    if _direct_call_allowed(kv, out_loc, kvcache):
+        return DIRECT["quantize_store"](*args)
+    torch.ops.dsv4.quantize_store.default(*args)
 
 
 def flash_mla_with_kvcache(
@@ -241,18 +288,36 @@ def flash_mla_with_kvcache(
     num_splits: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     head_dim_v: int = layout.HEAD_DIM,
+    kv_format: str = "v4",
+    extra_kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse decode over paged V4 FP8 caches; returns ``out [B, s_q, H, 512]`` and ``lse [B, H, s_q]``.
+    """Sparse decode over paged quantized caches; returns ``out [B, s_q, H, 512]`` bf16 and
+    ``lse [B, H, s_q]`` fp32 (natural log, sink excluded). docs/design.md §2.3.
 
-    ``softmax_scale`` defaults to ``512 ** -0.5``. Scheduler metadata comes from
-    :func:`get_mla_metadata` (or ``None``: computed inside the call).
+    Args:
+        q: ``[B, s_q, H, 512]`` bf16 queries.
+        k_cache: the main uint8 base cache (the sliding window), of format ``kv_format``.
+        page_size: tokens per page of ``k_cache``.
+        indices: ``[B, s_q, K]`` int32 slots into ``k_cache``; ``-1`` is a hole.
+        topk_length: ``[B]`` int32: only a row's first ``topk_length`` entries count (``None``: all).
+        attn_sink: ``[H]`` float32 learned sink logits (``None``: no sink).
+        extra_k_cache: an optional second cache (a compressed one), of format ``extra_kv_format``.
+        extra_page_size: tokens per page of ``extra_k_cache``.
+        extra_indices: ``[B, s_q, K2]`` int32 slots into ``extra_k_cache``.
+        extra_topk_length: ``[B]`` int32 counted entries of ``extra_indices``.
+        tile_scheduler_metadata, num_splits: from :func:`get_mla_metadata` for this step, or
+            ``None``: computed inside the call.
+        softmax_scale: defaults to ``512 ** -0.5``.
+        head_dim_v: 512 (V is the full key).
+        kv_format: the format of ``k_cache`` (default ``"v4"``; FP4 serves only as the extra cache).
+        extra_kv_format: the format of ``extra_k_cache`` (``None``: ``kv_format``).
     """
     if softmax_scale is None:
         softmax_scale = layout.HEAD_DIM**-0.5
     args = (
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, float(softmax_scale), head_dim_v,
+        tile_scheduler_metadata, num_splits, float(softmax_scale), head_dim_v, kv_format, extra_kv_format,
     )
     if _direct_call_allowed(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
                             extra_topk_length, tile_scheduler_metadata, num_splits):
@@ -269,7 +334,17 @@ def flash_mla_sparse_fwd(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse prefill over a bf16 workspace; returns ``(out, max_logits, lse)`` (natural log)."""
+    """Sparse prefill over a bf16 workspace; returns ``(out, max_logits, lse)`` (natural log).
+
+    Args:
+        q: ``[s_q, H, 512]`` bf16 queries.
+        kv: ``[s_kv, 1, 512]`` bf16 workspace (e.g. :func:`dsv4_compile.dequant_workspace`).
+        indices: ``[s_q, 1, K]`` int32 rows of ``kv``; ``< 0`` or ``>= s_kv``: holes.
+        sm_scale: the softmax scale.
+        d_v: 512 (V is the full key).
+        attn_sink: ``[H]`` float32 sink logits, or ``None``.
+        topk_length: ``[s_q]`` int32 counted entries per query, or ``None``.
+    """
     args = (q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
     if _direct_call_allowed(q, kv, indices, attn_sink, topk_length):
         return DIRECT["flash_mla_sparse_fwd"](*args)

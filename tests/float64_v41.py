@@ -4,10 +4,9 @@ Written from the format contract only: nothing here imports dsv4_compile. Roundi
 (Fractions, bisection on the finite code tables), so the model is a test oracle, not an approximation.
 ``torch`` is used only to move uint8 bytes in and out of a cache tensor.
 
-Non-finite inputs (NaN or +-inf) are undefined by the contract. The quantizers take
-``nonfinite=`` "token" (default: the whole token is poisoned), "block" (only the affected scale
-block is poisoned) or "raise" (ValueError). Poisoned FP8: data 0x7F (e4m3 NaN), scale 0xFF (UE8M0 NaN).
-Poisoned FP4: data nibbles 0x7 (bytes 0x77), scale 0x7F (e4m3 NaN), so every value decodes to NaN.
+A token with a non-finite value (NaN or +-inf) is the NaN token (docs/design.md §2.5): FP8 data
+0x7F (e4m3 NaN) and scales 0xFF (UE8M0 NaN); FP4 data 0x00 and scales 0x7F (e4m3 NaN). Every
+value of it decodes to NaN.
 """
 
 from __future__ import annotations
@@ -111,20 +110,15 @@ def e2m1_decode(code: int) -> float:
 
 
 def e2m1_encode(value: float) -> int:
-    """Nearest e2m1 code, ties to even (mantissa bit 0), saturating at +-6, sign kept on zero; NaN -> 0x7."""
-    if math.isnan(value):
-        return 0x7
+    """Nearest e2m1 code, ties to even (mantissa bit 0), saturating at +-6, sign kept on zero."""
     return (0x8 if math.copysign(1.0, value) < 0 else 0) | _rne_table(value, _E2M1)
 
 
 # ---- one token ----
 
 
-def _poisoned(block: list[float], nonfinite: str) -> bool:
-    bad = any(not math.isfinite(v) for v in block)
-    if bad and nonfinite == "raise":
-        raise ValueError("non-finite value in a V4.1 KV token")
-    return bad
+def _poisoned(values: list[float]) -> bool:
+    return any(not math.isfinite(v) for v in values)
 
 
 _FP32_1E4 = fp32(1e-4)
@@ -137,39 +131,31 @@ def _ue8m0_scale(amax: float) -> int:
     return ((bits >> 23) & 0xFF) + (1 if bits & 0x7FFFFF else 0)
 
 
-def v41_fp8_token(values: list[float], nonfinite: str = "token") -> tuple[list[int], list[int]]:
+def v41_fp8_token(values: list[float]) -> tuple[list[int], list[int]]:
     """512 e4m3 bytes RNE(x / 2^(s-127)) and 16 UE8M0 bytes s, one per 32 values (see _ue8m0_scale)."""
-    assert len(values) == D and nonfinite in ("token", "block", "raise")
-    if nonfinite == "token" and _poisoned(values, nonfinite):
+    assert len(values) == D
+    if _poisoned(values):
         return [0x7F] * D, [0xFF] * (D // FP8_BLOCK)
     data, scales = [], []
     for b in range(0, D, FP8_BLOCK):
         block = values[b : b + FP8_BLOCK]
-        if _poisoned(block, nonfinite):
-            data += [0x7F] * FP8_BLOCK
-            scales.append(0xFF)
-            continue
         s = _ue8m0_scale(max(abs(v) for v in block))
         data += [fp8_e4m3_encode_rne(v / 2.0 ** (s - 127)) for v in block]  # exact power-of-two division
         scales.append(s)
     return data, scales
 
 
-def v41_fp4_token(values: list[float], nonfinite: str = "token") -> tuple[list[int], list[int]]:
+def v41_fp4_token(values: list[float]) -> tuple[list[int], list[int]]:
     """256 bytes of e2m1 pairs (even index in the low nibble) and 32 e4m3 scales, one per 16 values.
 
     scale = e4m3_rne(clamp(fp32(amax / 6), 2^-9, 448)); code = e2m1(fp32(fp32(x) / scale)).
     """
-    assert len(values) == D and nonfinite in ("token", "block", "raise")
-    if nonfinite == "token" and _poisoned(values, nonfinite):
-        return [0x77] * (D // 2), [0x7F] * (D // FP4_BLOCK)
+    assert len(values) == D
+    if _poisoned([fp32(v) for v in values]):
+        return [0x00] * (D // 2), [0x7F] * (D // FP4_BLOCK)
     codes, scales = [], []
     for b in range(0, D, FP4_BLOCK):
         block = [fp32(v) for v in values[b : b + FP4_BLOCK]]
-        if _poisoned(block, nonfinite):
-            codes += [0x7] * FP4_BLOCK
-            scales.append(0x7F)
-            continue
         s = fp8_e4m3_encode_rne(min(max(fp32_div(max(abs(v) for v in block), 6.0), 2.0**-9), 448.0))
         scale = fp8_e4m3_decode(s)
         codes += [e2m1_encode(fp32_div(v, scale)) for v in block]
@@ -239,13 +225,14 @@ def read_token(cache: torch.Tensor, fmt: str, arrangement: str, page_size: int,
     return row[d0 : d0 + nd].tolist(), row[s0 : s0 + ns].tolist()
 
 
-# ---- the fused V4.1 K store (FP8) ----
+# ---- the fused V4.1 K store ----
 
 
 def v41_fused_k_token(x: list[float], w: list[float], cs: list[float], eps: float,
-                      nonfinite: str = "token") -> tuple[list[int], list[int], list[float]]:
+                      fp4: bool = False) -> tuple[list[int], list[int], list[float]]:
     """y = bf16(x / sqrt(mean(x^2) + eps) * w) in float64; dims 448.. get interleaved RoPE
-    (a, b) -> (a c - b s, a s + b c), (c, s) = cs[2i], cs[2i+1], then bf16 again; then FP8-quantize y.
+    (a, b) -> (a c - b s, a s + b c), (c, s) = cs[2i], cs[2i+1], then bf16 again; then quantize y
+    (FP8, or ``fp4``).
     Returns (data, scales, y as the bf16 values that were quantized)."""
     assert len(x) == D and len(w) == D and len(cs) == ROPE
     rms = math.sqrt(sum(v * v for v in x) / D + eps)
@@ -254,5 +241,5 @@ def v41_fused_k_token(x: list[float], w: list[float], cs: list[float], eps: floa
         a, b = y[NOPE + 2 * i], y[NOPE + 2 * i + 1]
         c, s = cs[2 * i], cs[2 * i + 1]
         y[NOPE + 2 * i], y[NOPE + 2 * i + 1] = bf16(a * c - b * s), bf16(a * s + b * c)
-    data, scales = v41_fp8_token(y, nonfinite)
+    data, scales = (v41_fp4_token if fp4 else v41_fp8_token)(y)
     return data, scales, y

@@ -66,6 +66,7 @@ def decode_case(heads, s_q=1, extra=True, width=100, lengths=True, sink_kind="ra
 def test_provider_choice(provider):
     assert d4.providers("cuda:0") == {
         "fused_k_norm_rope_flashmla": "reference",  # the Triton store registers separately
+        "quantize_store": "reference",
         "flash_mla_with_kvcache": provider,
         "flash_mla_sparse_fwd": provider,
         "get_mla_metadata": provider,

@@ -14,13 +14,19 @@ class TestSchemas(expecttest.TestCase):
     def test_store(self):
         self.assertExpectedInline(
             schema("fused_k_norm_rope_flashmla"),
-            """dsv4::fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size) -> ()""",
+            """dsv4::fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format="v4") -> ()""",
+        )
+
+    def test_quantize_store(self):
+        self.assertExpectedInline(
+            schema("quantize_store"),
+            """dsv4::quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, str kv_format="v4") -> ()""",
         )
 
     def test_decode(self):
         self.assertExpectedInline(
             schema("flash_mla_with_kvcache"),
-            """dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, Tensor? num_splits, float softmax_scale, int head_dim_v) -> (Tensor out, Tensor lse)""",
+            """dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format="v4", str? extra_kv_format=None) -> (Tensor out, Tensor lse)""",
         )
 
     def test_prefill(self):
@@ -36,14 +42,15 @@ class TestSchemas(expecttest.TestCase):
         )
 
     def test_only_the_cache_is_mutable(self):
-        for name in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"):
+        for name in dsv4_compile.dispatch.OPS:
             args = getattr(torch.ops.dsv4, name).default._schema.arguments
             written = [a.name for a in args if a.alias_info is not None and a.alias_info.is_write]
-            self.assertEqual(written, ["kvcache"] if name == "fused_k_norm_rope_flashmla" else [])
+            stores = ("fused_k_norm_rope_flashmla", "quantize_store")
+            self.assertEqual(written, ["kvcache"] if name in stores else [])
 
     def test_no_composite_implicit_kernel(self):
         # CompositeImplicitAutograd would decompose the op under compile; it must stay one node.
-        for name in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"):
+        for name in dsv4_compile.dispatch.OPS:
             qualname = f"dsv4::{name}"
             self.assertFalse(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeImplicitAutograd"))
             for key in ("CPU", "CUDA", "XPU", "CompositeExplicitAutograd", "Meta"):

@@ -146,12 +146,13 @@ def compare(name, got, want, vmax=1.0, **case):
 # --------------------------------------------------------------------------------------------
 
 
-def filled(device, num_pages, page_size, page_stride=None):
+def filled(device, num_pages, page_size, page_stride=None, kv_format="v4"):
     """A cache whose every slot holds a stored random token (reference store)."""
-    cache = layout.alloc_cache(num_pages, page_size, device, page_stride=page_stride)
+    cache = layout.alloc_cache(num_pages, page_size, device, page_stride=page_stride, kv_format=kv_format)
     n = num_pages * page_size
     kv, w, freqs, pos = (t.to(device) for t in store_inputs(n, max_pos=256))
-    reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.arange(n, device=device), cache, 1e-6, page_size)
+    reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.arange(n, device=device), cache, 1e-6, page_size,
+                                         kv_format)
     return cache
 
 
@@ -169,9 +170,9 @@ def sink_of(kind, heads, device):
 
 
 def decode_case(device, *, heads=64, s_q=1, batch=3, page_size=64, width=40, extra_page_size=None,
-                extra_width=24, lengths=True, sink="random", page_stride=None):
+                extra_width=24, lengths=True, sink="random", page_stride=None, kv_format="v4", extra_format=None):
     """Decode arguments over small caches; row 0 is empty (every index a hole, extra length 0)."""
-    cache = filled(device, max(2, 96 // page_size), page_size, page_stride)
+    cache = filled(device, max(2, 96 // page_size), page_size, page_stride, kv_format)
     idx = holed_indices((batch, s_q, width), layout.capacity(cache, page_size), device)
     idx[0] = -1
     topk_length = None
@@ -180,7 +181,7 @@ def decode_case(device, *, heads=64, s_q=1, batch=3, page_size=64, width=40, ext
         topk_length[-1] = width
     ecache = eidx = elen = None
     if extra_page_size is not None:
-        ecache = filled(device, max(2, 64 // extra_page_size), extra_page_size)
+        ecache = filled(device, max(2, 64 // extra_page_size), extra_page_size, kv_format=extra_format or kv_format)
         eidx = holed_indices((batch, s_q, extra_width), layout.capacity(ecache, extra_page_size), device)
         if lengths:
             elen = torch.randint(1, extra_width + 1, (batch,), dtype=torch.int32).to(device)
@@ -189,14 +190,19 @@ def decode_case(device, *, heads=64, s_q=1, batch=3, page_size=64, width=40, ext
             eidx[0] = -1
     q = torch.randn(batch, s_q, heads, layout.HEAD_DIM).to(device, torch.bfloat16)
     return (q, cache, page_size, idx, topk_length, sink_of(sink, heads, device),
-            ecache, extra_page_size or 1, eidx, elen, None, None, SCALE, layout.HEAD_DIM)
+            ecache, extra_page_size or 1, eidx, elen, None, None, SCALE, layout.HEAD_DIM,
+            kv_format, extra_format if ecache is not None else None)
 
 
 def key_max(args):
     """Largest key magnitude of a decode case (``out`` is a convex combination of keys)."""
-    caches = [(args[1], args[2])] + ([(args[6], args[7])] if args[6] is not None else [])
-    slots = [torch.arange(layout.capacity(c, p), device=c.device) for c, p in caches]
-    return max(layout.gather_dequant(c, p, s, torch.float32).abs().max().item() for (c, p), s in zip(caches, slots))
+    formats = (args[14], args[15] or args[14]) if len(args) > 14 else ("v4", "v4")
+    caches = [(args[1], args[2], formats[0])] + ([(args[6], args[7], formats[1])] if args[6] is not None else [])
+    return max(
+        layout.gather_dequant(c, p, torch.arange(layout.capacity(c, p), device=c.device), torch.float32, f)
+        .abs().max().item()
+        for c, p, f in caches
+    )
 
 
 def check_decode(args, **case):
@@ -251,6 +257,28 @@ DECODE_CASES = {  # name: (case keywords, splits)
     "h3-p61-extra69-width100-split": (
         dict(heads=3, page_size=61, width=100, extra_page_size=69, extra_width=70), 5),
 }
+
+
+FORMAT_CASES = {  # name: (case keywords, splits)
+    "fp8-block": (dict(kv_format="v4.1-fp8", page_size=5), 1),
+    "fp8-block+fp4-block-split": (
+        dict(kv_format="v4.1-fp8", extra_format="v4.1-fp4", page_size=5, extra_page_size=3, width=56, heads=5), 3),
+    "fp8-inter+fp4-inter": (
+        dict(kv_format="v4.1-fp8-interleaved", extra_format="v4.1-fp4-interleaved", extra_page_size=2), 1),
+    "fp8-inter+fp8-block-sq2-split": (
+        dict(kv_format="v4.1-fp8-interleaved", extra_format="v4.1-fp8", s_q=2, extra_page_size=64, width=72), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMAT_CASES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_formats_match_reference(device, name, splits):
+    """V4.1 caches (FP8 main; FP8 or FP4 extra; block-split and interleaved, mixed), split or not."""
+    keywords, n = FORMAT_CASES[name]
+    splits(n)
+    args = decode_case(device, **keywords)
+    assert planned_splits(args) == n
+    check_decode(args, format=name)
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))

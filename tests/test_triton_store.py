@@ -289,6 +289,57 @@ def test_huge_and_non_finite_rows(device, dtype):
     assert_matches_reference(actual, expected, 16, slots)
 
 
+V41 = ["v4.1-fp8", "v4.1-fp8-interleaved", "v4.1-fp4", "v4.1-fp4-interleaved"]
+
+
+def format_written_mask(cache, page_size, slots, kv_format):
+    """Bool like ``cache``: the data and scale records of the non-negative ``slots``."""
+    fmt = layout.FORMATS[kv_format]
+    mask = torch.zeros_like(cache, dtype=torch.bool)
+    for s_ in slots[slots >= 0].tolist():
+        page, off = divmod(s_, page_size)
+        for start, size in ((fmt.data_offset(page_size, off), fmt.data_bytes),
+                            (fmt.scale_offset(page_size, off), fmt.scale_bytes)):
+            mask[page, start : start + size] = True
+    return mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+@pytest.mark.parametrize("kv_format", V41)
+def test_v41_formats_match_reference(device, kv_format, fused):
+    """V4.1 stores (FP8 / FP4, block-split / interleaved, fused / plain): untouched bytes and NaN
+    tokens exact; the plain store byte-exact (the same fp32 operations); the fused store's values
+    within one code of the reference's (a last-bit difference of the norm can move a bf16 rounding)."""
+    page_size = 5
+    args = list(make_case("cpu", 24, page_size, holes=2))
+    args[5] = torch.randint(0, 256, (10, layout.page_bytes(page_size, kv_format) + 3), dtype=torch.uint8)
+    args[0] = args[0].clone()
+    args[0][5, 17] = math.nan  # a NaN token
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    kv, w, freqs, pos, slots, cache = args[:6]
+    expected = cache.clone()
+    if fused:
+        reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, expected, 1e-6, page_size, kv_format)
+        triton_store.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, page_size, kv_format)
+    else:
+        reference.quantize_store(kv, slots, expected, page_size, kv_format)
+        triton_store.quantize_store(kv, slots, cache, page_size, kv_format)
+    mask = format_written_mask(cache.cpu(), page_size, slots.cpu(), kv_format).to(device)
+    assert torch.equal(cache[~mask], expected[~mask]), "bytes outside the written records changed"
+    if not fused:
+        assert torch.equal(cache, expected)
+        return
+    live = slots[slots >= 0].long()
+    got = layout.gather_dequant(cache, page_size, live, torch.float32, kv_format)
+    want = layout.gather_dequant(expected, page_size, live, torch.float32, kv_format)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan().any(-1)
+    step = want[finite].abs().amax(-1, keepdim=True) * (2.0**-2 if "fp4" in kv_format else 2.0**-4)
+    assert ((got[finite] - want[finite]).abs() <= step).all()
+    assert int((got[finite] != want[finite]).sum()) <= 2 + live.numel() * 512 // 256
+
+
 @triton.jit
 def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -456,7 +507,7 @@ def test_functionalization_traces_the_triton_launch(monkeypatch, request):
     dispatch.reset()  # forget a "no cuda device" resolution
     request.addfinalizer(dispatch.reset)
     args = _fake_cuda_case(FakeTensorMode())
-    assert triton_store.inlines(args[0].device)
+    assert triton_store.inlines(triton_store.OP, args[0].device)
     graph = _aot_forward_graph(args).graph
     (node,) = [n for n in graph.nodes if n.target is triton_kernel_wrapper_functional]
     kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])  # num_warps wraps it in a Config
@@ -466,7 +517,7 @@ def test_functionalization_traces_the_triton_launch(monkeypatch, request):
 
     for context in (d4.use_provider("reference"), d4.checked()):
         with context:
-            assert not triton_store.inlines(args[0].device)
+            assert not triton_store.inlines(triton_store.OP, args[0].device)
             code = _aot_forward_graph(args).code
         assert "dsv4.fused_k_norm_rope_flashmla" in code and "triton_kernel_wrapper" not in code
 
@@ -575,7 +626,7 @@ def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
     with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
         triton_store.load(torch.device("cuda", 0))
     monkeypatch.setattr(triton_common, "device_available", lambda device: True)
-    assert set(triton_store.load(torch.device("cuda", 0))) == {triton_store.OP}
+    assert set(triton_store.load(torch.device("cuda", 0))) == {triton_store.OP, triton_store.PLAIN}
     assert all("triton" in dispatch.registered_providers(t) for t in ("cuda", "xpu"))
 
 

@@ -79,13 +79,15 @@ class FlashMLAKernels:
     statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``)."""
 
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
-                 prefill_has_stats_flags: bool):
+                 prefill_has_stats_flags: bool, v41_namespace=None):
         self.name = name  # the provider's
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
         self.device = device
         self.decode_op = namespace.sparse_decode_fwd.default
         self.prefill_op = namespace.sparse_prefill_fwd.default
+        # FlashMLA's current kernels (torch.ops.flash_mla, SM100): V4.1 interleaved caches
+        self.v41_decode_op = None if v41_namespace is None else v41_namespace.sparse_decode_fwd.default
 
     # ---- decode ----
 
@@ -128,26 +130,35 @@ class FlashMLAKernels:
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
     ):
         batch, s_q, heads, _ = q.shape
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
+        decode_op = self.decode_op
+        if kv_format != "v4":  # V4.1 interleaved (the rule): the current kernels
+            decode_op = self.v41_decode_op
+            if decode_op is None:
+                raise dispatch.ProviderUnavailable(
+                    f"{self.name}: this FlashMLA build has no current (V4.1) kernels (torch.ops.flash_mla)"
+                )
+            # get_mla_metadata schedules for the V4 kernels: the V4.1 ones schedule inside
+            tile_scheduler_metadata = num_splits = None
         if tile_scheduler_metadata is not None:
             if tile_scheduler_metadata.numel() == 0:  # from a device without a scheduler: compute inside
                 tile_scheduler_metadata = num_splits = None
             elif checks.checked_mode():
                 _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
                              tile_scheduler_metadata, num_splits)
-        kv = _view(k_cache, page_size)
+        kv = _view(k_cache, page_size, kv_format)
         idx = _pad_width(indices, DECODE_TOPK_MULTIPLE)
         extra_kv = extra_idx = None
         if extra_k_cache is not None:
-            extra_kv = _view(extra_k_cache, extra_page_size)
+            extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
             extra_idx = _pad_width(extra_indices, DECODE_TOPK_MULTIPLE)
 
         if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
-            out, lse, _, _ = self.decode_op(
+            out, lse, _, _ = decode_op(
                 q, kv, idx, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
                 extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
             )
@@ -156,9 +167,9 @@ class FlashMLAKernels:
         for start, stop, padded in _head_groups(heads):
             qg = _pad_heads(q, 2, start, stop, padded)
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
-            o, l, _, _ = self._raw_decode(
+            o, l, _, _ = decode_op(
                 qg, kv, idx, topk_length, sink, tile_scheduler_metadata, num_splits,
-                extra_kv, extra_idx, extra_topk_length, softmax_scale,
+                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
             )
             out[:, :, start:stop] = o[:, :, : stop - start]
             lse[:, start:stop] = l[:, : stop - start]
@@ -212,19 +223,20 @@ def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_len
         )
 
 
-_VIEWS: dict = {}  # id(base cache) -> (weak ref to it, page size, data pointer, its FlashMLA view)
+_VIEWS: dict = {}  # id(base cache) -> (weak ref to it, (page size, format), data pointer, its view)
 
 
-def _view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``layout.flashmla_view(cache, page_size)``, built once per cache tensor (three tensor ops
-    saved per call of the eager hot path); rebuilt if the page size or the storage changed. An
-    entry leaves with its cache (weak reference callback), so an id is never matched to another
-    tensor."""
+def _view(cache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+    """``layout.flashmla_view(cache, page_size, kv_format)``, built once per cache tensor (three
+    tensor ops saved per call of the eager hot path); rebuilt if the page size, the format or the
+    storage changed. An entry leaves with its cache (weak reference callback), so an id is never
+    matched to another tensor."""
     key = id(cache)
     hit = _VIEWS.get(key)
-    if hit is None or hit[0]() is not cache or hit[1] != page_size or hit[2] != cache.data_ptr():
+    geometry = (page_size, kv_format)
+    if hit is None or hit[0]() is not cache or hit[1] != geometry or hit[2] != cache.data_ptr():
         ref = weakref.ref(cache, lambda _, key=key: _VIEWS.pop(key, None))
-        hit = _VIEWS[key] = (ref, page_size, cache.data_ptr(), layout.flashmla_view(cache, page_size))
+        hit = _VIEWS[key] = (ref, geometry, cache.data_ptr(), layout.flashmla_view(cache, page_size, kv_format))
     return hit[3]
 
 
@@ -272,7 +284,10 @@ def _load_flash_mla(device: torch.device) -> dict:
         raise dispatch.ProviderUnavailable("flash_mla was built without its legacy (V4 layout) kernels")
     _require_capability(device, "flash_mla (legacy kernels)")
     ns = torch.ops.flash_mla_legacy
-    return FlashMLAKernels("flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True).kernels()
+    current = torch.ops.flash_mla if hasattr(torch.ops.flash_mla, "sparse_decode_fwd") else None
+    return FlashMLAKernels(
+        "flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True, v41_namespace=current,
+    ).kernels()
 
 
 def metadata_shapes(device: torch.device, batch: int, s_q: int, heads: int):
@@ -298,19 +313,47 @@ def _num_sms(device: torch.device) -> int:
 
 _FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
 
-#: SM100's V4 decode reads pages with the tensor-memory accelerator: page strides must be multiples
-#: of 576 bytes (canonical ``page_bytes``). SM90 reads any stride >= P*584.
-SM100_PAGE_STRIDES = dispatch.Rule(
-    f"page strides that are multiples of {layout.PAGE_ALIGN} bytes on SM100 (dsv4_compile.alloc_cache)",
-    lambda device, call: _capability(device)[0] != 10
-    or (call.page_stride % layout.PAGE_ALIGN == 0 and call.extra_page_stride % layout.PAGE_ALIGN == 0),
+def _v4_decode(device: torch.device, call) -> bool:
+    """V4 caches; SM100's V4 decode reads pages with the tensor-memory accelerator: page strides
+    must be multiples of 576 bytes (canonical ``page_bytes``). SM90 reads any stride >= P*584."""
+    return call.kv_format == "v4" and (
+        _capability(device)[0] != 10
+        or (call.page_stride % layout.PAGE_ALIGN == 0 and call.extra_page_stride % layout.PAGE_ALIGN == 0)
+    )
+
+
+def _v41_decode(device: torch.device, call) -> bool:
+    """V4.1 interleaved caches on SM100 (FlashMLA's current kernels): page strides multiples of the
+    token bytes (528, or 288 for an FP4 extra cache)."""
+    if call.kv_format == "v4" or _capability(device)[0] != 10:
+        return False
+    main, extra = layout.FORMATS[call.kv_format], layout.FORMATS[call.extra_kv_format or call.kv_format]
+    return (
+        main.interleaved and extra.interleaved and call.page_stride % main.token_bytes == 0
+        and call.extra_page_stride % extra.token_bytes == 0
+    )
+
+
+#: What FlashMLA's decode serves: V4 caches (legacy kernels; SM100: page strides multiples of 576),
+#: V4.1 interleaved caches on SM100 (current kernels; page strides multiples of the token bytes).
+FLASHMLA_DECODE = dispatch.Rule(
+    "kv_format 'v4' (page strides multiples of 576 on SM100) or, on SM100, V4.1 interleaved caches "
+    "(page strides multiples of the token bytes)",
+    lambda device, call: _v4_decode(device, call) or _v41_decode(device, call),
+)
+#: sgl_kernel's FlashMLA: V4 caches.
+SGL_KERNEL_DECODE = dispatch.Rule(
+    "kv_format 'v4' (page strides multiples of 576 on SM100)", _v4_decode,
 )
 
 
 def register() -> None:
-    rules = {"flash_mla_with_kvcache": SM100_PAGE_STRIDES}
-    dispatch.register_provider(dispatch.Provider("sgl_kernel", "cuda", _load_sgl_kernel, ops=_FLASHMLA_OPS, rules=rules))
-    dispatch.register_provider(dispatch.Provider("flashmla", "cuda", _load_flash_mla, ops=_FLASHMLA_OPS, rules=rules))
+    dispatch.register_provider(dispatch.Provider(
+        "sgl_kernel", "cuda", _load_sgl_kernel, ops=_FLASHMLA_OPS, rules={"flash_mla_with_kvcache": SGL_KERNEL_DECODE},
+    ))
+    dispatch.register_provider(dispatch.Provider(
+        "flashmla", "cuda", _load_flash_mla, ops=_FLASHMLA_OPS, rules={"flash_mla_with_kvcache": FLASHMLA_DECODE},
+    ))
     dispatch.register_metadata_shapes("cuda", metadata_shapes)
 
 

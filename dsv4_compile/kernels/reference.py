@@ -61,62 +61,125 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest ``e`` with ``2**e >= max(1e-4, amax) / 448``, exactly (``ceil(log2(.))`` via frexp)."""
-    scale = amax.clamp_min(layout.SCALE_MIN) / layout.FP8_MAX
-    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    """V4: the smallest ``e`` with ``2**e >= max(1e-4, amax) / 448``, exactly (``ceil(log2(.))``
+    via frexp)."""
+    return _ceil_log2(amax.clamp_min(layout.SCALE_MIN) / layout.FP8_MAX)
+
+
+def v41_fp8_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """V4.1 FP8: the smallest ``e`` with ``2**e >= max(amax / 448, 1e-4)``, exactly."""
+    return _ceil_log2((amax / layout.FP8_MAX).clamp_min(layout.SCALE_MIN))
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(x))`` of positive fp32 ``x``, exactly (a power of two stays exact)."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
     return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
-def quantize_token_records(
-    kv: torch.Tensor, kv_weight: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm + RoPE + quantize ``T`` tokens into their ``[T, 576]`` data and ``[T, 8]`` scale records.
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8 0..15) of fp32 ``v``: round to nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties
+    to the even code (mantissa bit 0), saturating at 6; bit 3 is the sign bit of ``v`` (kept on
+    values that round to 0)."""
+    a = v.abs()
+    code = (
+        (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    )
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
 
-    A token whose normed, rotated values are not all finite (a NaN or Inf in ``kv``, the weight or
-    its ``freqs`` row, or an overflow) is stored as a NaN token: every fp8 byte ``0x7F`` (NaN), every
-    bf16 value ``0x7FC0`` (NaN), every scale byte ``0xFF`` (UE8M0 NaN), pad byte 0.
-    """
-    y = rms_norm(kv, kv_weight, eps)
-    nope, rope = y[:, : layout.NOPE_DIM], y[:, layout.NOPE_DIM :]
 
-    # interleaved (GPT-J) RoPE: (a, b) -> (a*c - b*s, a*s + b*c), freqs rows are (c0, s0, c1, s1, ...)
+def rope(values: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) RoPE on ``values [T, 64]``, fp32: ``(a, b) -> (a*c - b*s, a*s + b*c)``
+    with ``freqs[pos] = (c0, s0, c1, s1, ...)``."""
     cs = freqs[positions.long()].view(-1, layout.ROPE_DIM // 2, 2)
     cos, sin = cs[..., 0], cs[..., 1]
-    a, b = rope.view(-1, layout.ROPE_DIM // 2, 2).unbind(-1)
-    rope = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(-1, layout.ROPE_DIM)
-
-    # 7 tiles of 64: UE8M0 scale 2**e (rounded up), value fp8(clamp(y / 2**e, -448, 448)), RNE
-    tiles = nope.view(-1, layout.NUM_TILES, layout.TILE)
-    e = ue8m0_exponent(tiles.abs().amax(-1))  # [T, 7] int32
-    scaled = tiles * _pow2(-e)[..., None]
-    fp8 = scaled.clamp(-layout.FP8_MAX, layout.FP8_MAX).to(torch.float8_e4m3fn)
-
-    data = torch.cat(
-        [fp8.view(-1, layout.NOPE_DIM).view(torch.uint8), rope.to(torch.bfloat16).view(torch.uint8)],
-        dim=-1,
-    )
-    pad = torch.zeros_like(e[:, :1])
-    scales = torch.cat([e + layout.UE8M0_BIAS, pad], dim=-1).to(torch.uint8)
-    finite = nope.isfinite().all(-1, keepdim=True) & rope.isfinite().all(-1, keepdim=True)
-    data = torch.where(finite, data, layout.NAN_DATA_RECORD.to(data.device))
-    scales = torch.where(finite, scales, layout.NAN_SCALE_RECORD.to(scales.device))
-    return data, scales
+    a, b = values.view(-1, layout.ROPE_DIM // 2, 2).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(-1, layout.ROPE_DIM)
 
 
-def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-    data_records = layout.data_records(kvcache, page_size)
-    scale_records = layout.scale_records(kvcache, page_size)
+def normed_rotated(kv, kv_weight, freqs, positions, eps, fmt: layout.CacheFormat) -> torch.Tensor:
+    """The values the fused K store quantizes, ``[T, 512]`` fp32.
+
+    V4: ``y = rms_norm(kv)`` (fp32), RoPE on dims 448..511 (fp32). V4.1: ``y`` rounded to bf16,
+    RoPE on dims 448..511 of the bf16 values (fp32 math), the result rounded to bf16 again.
+    """
+    y = rms_norm(kv, kv_weight, eps)
+    if not fmt.is_v4:
+        y = y.to(torch.bfloat16).float()
+    rotated = rope(y[:, layout.NOPE_DIM :], freqs, positions)
+    if not fmt.is_v4:
+        rotated = rotated.to(torch.bfloat16).float()
+    return torch.cat([y[:, : layout.NOPE_DIM], rotated], dim=-1)
+
+
+def encode_tokens(values: torch.Tensor, fmt: layout.CacheFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [T, 512]`` (fp32) as ``fmt``'s data ``[T, data_bytes]`` and scale records
+    ``[T, scale_bytes]`` (uint8). docs/design.md §2.1 and §2.5:
+
+    * V4: dims 0..447 in 7 tiles of 64: ``e = ceil(log2(max(1e-4, amax) / 448))``, value
+      ``e4m3(clamp(y * 2^-e, +-448))`` RNE, byte ``e + 127``; dims 448..511 as bf16 (RNE); pad 0.
+    * V4.1 FP8: 16 groups of 32: ``e = ceil(log2(max(amax / 448, 1e-4)))``, value ``e4m3(y * 2^-e)``
+      RNE (no saturation possible), byte ``e + 127``.
+    * V4.1 FP4: 32 groups of 16: scale ``s = e4m3(clamp(amax / 6, 2^-9, 448))`` RNE, code
+      ``e2m1(y / s)`` (IEEE division; ties to even, saturating, sign kept), two codes per byte
+      (even index in the low nibble), scale byte the e4m3 ``s``.
+
+    A token with a non-finite value is the NaN token (``fmt.nan_data``, ``fmt.nan_scales``).
+    """
+    t = values.shape[0]
+    if fmt.is_v4:
+        tiles = values[:, : layout.NOPE_DIM].view(t, layout.NUM_TILES, layout.TILE)
+        e = ue8m0_exponent(tiles.abs().amax(-1))  # [T, 7]
+        fp8 = (tiles * _pow2(-e)[..., None]).clamp(-layout.FP8_MAX, layout.FP8_MAX).to(torch.float8_e4m3fn)
+        rope_bytes = values[:, layout.NOPE_DIM :].to(torch.bfloat16).view(torch.uint8)
+        data = torch.cat([fp8.view(t, layout.NOPE_DIM).view(torch.uint8), rope_bytes], dim=-1)
+        scales = torch.cat([e + layout.UE8M0_BIAS, torch.zeros_like(e[:, :1])], dim=-1).to(torch.uint8)
+    elif fmt.values == "fp8":
+        groups = values.view(t, -1, fmt.group)
+        e = v41_fp8_exponent(groups.abs().amax(-1))  # [T, 16]
+        data = (groups * _pow2(-e)[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(t, fmt.data_bytes)
+        scales = (e + layout.UE8M0_BIAS).to(torch.uint8)
+    else:  # fp4
+        groups = values.view(t, -1, fmt.group)
+        amax = groups.abs().amax(-1)  # [T, 32]
+        scale = (amax / layout.FP4_MAX).clamp(layout.FP4_SCALE_MIN, layout.FP8_MAX).to(torch.float8_e4m3fn)
+        codes = e2m1_codes(groups / scale.float()[..., None]).view(t, layout.HEAD_DIM)
+        data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales = scale.view(torch.uint8)
+    finite = values.isfinite().all(-1, keepdim=True)
+    nan_data = torch.tensor(fmt.nan_data, dtype=torch.uint8, device=values.device)
+    nan_scales = torch.tensor(fmt.nan_scales, dtype=torch.uint8, device=values.device)
+    return torch.where(finite, data, nan_data), torch.where(finite, scales, nan_scales)
+
+
+def _store(kvcache, page_size, out_loc, fmt, encode) -> None:
+    """Write ``encode(rows)`` (rows: the selection of the tokens with a non-negative slot) to their
+    slots, a chunk of tokens at a time."""
+    data_records = layout.data_records(kvcache, page_size, fmt)
+    scale_records = layout.scale_records(kvcache, page_size, fmt)
     step = max(1, CHUNK_BYTES // TOKEN_BYTES)
-    for start in range(0, kv.shape[0], step):
+    for start in range(0, out_loc.shape[0], step):
         sl = slice(start, start + step)
         keep = out_loc[sl] >= 0  # negative slots are not written
         slots = out_loc[sl][keep].long()
         if slots.numel() == 0:
             continue
-        data, scales = quantize_token_records(kv[sl][keep], kv_weight, freqs, positions[sl][keep], eps)
+        index = torch.arange(start, start + keep.shape[0], device=keep.device)[keep]
+        data, scales = encode(index)
         page, offset = layout.page_and_offset(slots, page_size)
         data_records[page, offset] = data
         scale_records[page, offset] = scales
+
+
+def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
+    fmt = layout.cache_format(kv_format)
+    _store(kvcache, page_size, out_loc, fmt, lambda rows: encode_tokens(
+        normed_rotated(kv[rows], kv_weight, freqs, positions[rows], eps, fmt), fmt))
+
+
+def quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4"):
+    fmt = layout.cache_format(kv_format)
+    _store(kvcache, page_size, out_loc, fmt, lambda rows: encode_tokens(kv[rows].float(), fmt))
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +242,7 @@ def _plan(rows: int, width: int, heads: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _blocks(cache, page_size, indices, lengths, rows: slice, keys: int):
+def _blocks(cache, page_size, kv_format, indices, lengths, rows: slice, keys: int):
     """``(keys [n, k, 512] fp32, valid [n, k])`` blocks of ``k`` index columns of the query rows
     ``rows`` (of ``indices [R, K]``, per-row ``lengths [R]`` or ``None``). An entry counts iff it
     is not a ``-1`` hole and ``j < length``; other entries read nothing (slot 0, then zeroed)."""
@@ -189,34 +252,35 @@ def _blocks(cache, page_size, indices, lengths, rows: slice, keys: int):
         if lengths is not None:
             column = torch.arange(j, j + idx.shape[1], device=idx.device)
             valid &= column < lengths[rows, None]
-        yield layout.gather_dequant(cache, page_size, torch.where(valid, idx, 0), torch.float32), valid
+        yield layout.gather_dequant(cache, page_size, torch.where(valid, idx, 0), torch.float32, kv_format), valid
 
 
 def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
 ):
     batch, s_q, heads = q.shape[:3]
     rows = batch * s_q
     out, lse = ops.decode_outputs(q, head_dim_v)  # [B, s_q, H, dv], [B, H, s_q]
     if rows == 0:
         return out, lse
-    # per cache: (cache, page size, slots [rows, K], lengths per query row [rows] or None)
-    caches = [(k_cache, page_size, indices, topk_length)]
+    # per cache: (cache, page size, format, slots [rows, K], lengths per query row [rows] or None)
+    caches = [(k_cache, page_size, kv_format, indices, topk_length)]
     if extra_k_cache is not None:
-        caches.append((extra_k_cache, extra_page_size, extra_indices, extra_topk_length))
+        caches.append((extra_k_cache, extra_page_size, extra_kv_format or kv_format, extra_indices,
+                       extra_topk_length))
     caches = [
-        (c, p, i.reshape(rows, i.shape[-1]), None if n is None else n.repeat_interleave(s_q))
-        for c, p, i, n in caches
+        (c, p, f, i.reshape(rows, i.shape[-1]), None if n is None else n.repeat_interleave(s_q))
+        for c, p, f, i, n in caches
     ]
 
-    step, keys = _plan(rows, max(i.shape[1] for _, _, i, _ in caches), heads)
+    step, keys = _plan(rows, max(c[3].shape[1] for c in caches), heads)
     q_rows = q.reshape(rows, heads, layout.HEAD_DIM)
     out_rows, lse_rows = out.view(rows, heads, head_dim_v), lse.transpose(1, 2).view(rows, heads)
     for start in range(0, rows, step):
         sl = slice(start, start + step)
-        blocks = (block for c, p, i, n in caches for block in _blocks(c, p, i, n, sl, keys))
+        blocks = (block for c, p, f, i, n in caches for block in _blocks(c, p, f, i, n, sl, keys))
         o, _, l = sparse_attention(q_rows[sl], blocks, softmax_scale, attn_sink)
         out_rows[sl] = o[..., :head_dim_v].to(out.dtype)
         lse_rows[sl] = l
@@ -265,6 +329,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 KERNELS = {
     "fused_k_norm_rope_flashmla": fused_k_norm_rope_flashmla,
+    "quantize_store": quantize_store,
     "flash_mla_with_kvcache": flash_mla_with_kvcache,
     "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
     "get_mla_metadata": get_mla_metadata,

@@ -159,12 +159,19 @@ def _bf16_keys(data, valid):
     return (lo | (hi << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
-def _records(cache_ptr, slot, page_size, page_stride):
-    """Byte pointers of the data and scale records of ``slot`` (valid slots) in a paged cache."""
+def _records(
+    cache_ptr, slot, page_size, page_stride,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    """Byte pointers of the data and scale records of ``slot`` (valid slots) in a paged cache whose
+    tokens are ``DATA_BYTES`` then ``SCALE_BYTES``, block-split or ``INTERLEAVED``."""
     page = slot // page_size
     base = cache_ptr + page.to(tl.int64) * page_stride
     offset = (slot - page * page_size).to(tl.int64)
-    return base + offset * _DATA_BYTES, base + page_size * _DATA_BYTES + offset * _SCALE_BYTES
+    if INTERLEAVED:
+        data = base + offset * (DATA_BYTES + SCALE_BYTES)
+        return data, data + DATA_BYTES
+    return base + offset * DATA_BYTES, base + page_size * DATA_BYTES + offset * SCALE_BYTES
 
 
 def _cat(a, b):
@@ -172,12 +179,61 @@ def _cat(a, b):
     return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
 
 
-def _keys(data, scales, valid):
-    """The keys at ``data`` / ``scales``: ``[BN, 512]`` bf16, exact (0 where not ``valid``),
-    assembled from power-of-two column groups: 256 + 128 + 64 fp8 dims, then the 64 bf16 dims."""
+def _e4m3_values(code):
+    """float8_e4m3fn codes (int32) as fp32 values times 2^-8, exactly (through fp16 bits)."""
+    half = (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32)
+
+
+def _v4_keys(data, scales, valid):
+    """V4 keys: ``[BN, 512]`` bf16, exact (0 where not ``valid``), assembled from power-of-two
+    column groups: 256 + 128 + 64 fp8 dims, then the 64 bf16 dims."""
     k = _cat(_fp8_keys(data, scales, valid, _G0 + _G1, _G2), _bf16_keys(data, valid))
     k = _cat(_fp8_keys(data, scales, valid, _G0, _G1), k)
     return _cat(_fp8_keys(data, scales, valid, 0, _G0), k)
+
+
+def _v41_fp8_keys(data, scales, valid):
+    """V4.1 FP8 keys: 512 e4m3 values times their UE8M0 scale (one per 32): ``[BN, 512]`` bf16."""
+    d = tl.arange(0, _D)
+    code = tl.load(data[:, None] + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    g = tl.arange(0, _D // 32)
+    e = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    scale = ((e + 8) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) * 2^8
+    value = tl.reshape(_e4m3_values(code), (data.shape[0], _D // 32, 32)) * scale[:, :, None]
+    return tl.reshape(value, (data.shape[0], _D)).to(tl.bfloat16)
+
+
+def _e2m1_values(code):
+    """e2m1 codes (int32 0..15, bit 3 the sign) as fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    e = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    power = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1)
+    magnitude = tl.where(e == 0, mantissa * 0.5, (1.0 + 0.5 * mantissa) * power)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+def _v41_fp4_keys(data, scales, valid):
+    """V4.1 FP4 keys: 512 e2m1 values (two per byte, the even one in the low nibble) times their
+    e4m3 scale (one per 16): ``[BN, 512]`` bf16, exact."""
+    b = tl.arange(0, _D // 2)
+    byte = tl.load(data[:, None] + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (data.shape[0], _D))  # value 2i, 2i+1
+    g = tl.arange(0, _D // 16)
+    s = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    scale = _e4m3_values(s) * 256.0
+    value = tl.reshape(_e2m1_values(code), (data.shape[0], _D // 16, 16)) * scale[:, :, None]
+    return tl.reshape(value, (data.shape[0], _D)).to(tl.bfloat16)
+
+
+def _keys(data, scales, valid, FMT: tl.constexpr):
+    """The keys at ``data`` / ``scales`` of a format-``FMT`` cache: ``[BN, 512]`` bf16, exact."""
+    if FMT == 0:
+        return _v4_keys(data, scales, valid)
+    elif FMT == 1:
+        return _v41_fp8_keys(data, scales, valid)
+    else:
+        return _v41_fp4_keys(data, scales, valid)
 
 
 def _online_softmax(s, valid, m, l, scale_log2):
@@ -193,28 +249,20 @@ def _online_softmax(s, valid, m, l, scale_log2):
 
 
 def _attend(
-    acc, m, l, q, v0, v1, n, scale_log2,
-    cache_ptr, page_size, page_stride, idx_ptr, idx_stride,
-    x_cache_ptr, x_page_size, x_page_stride, x_idx_ptr, x_idx_stride,
-    HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, m, l, q, j0, j1, scale_log2, cache_ptr, page_size, page_stride, idx_ptr, idx_stride,
+    FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Accumulate the keys at positions ``[v0, v1)`` of a row's virtual key list: main index
-    entries ``0 .. n-1``, then the extra index entries (one loop: a key block may hold both)."""
-    for j0 in range(v0, v1, BLOCK_N):
-        v = j0 + tl.arange(0, BLOCK_N)
-        main = v < n
-        slot = tl.load(idx_ptr + v * idx_stride, mask=main & (v < v1), other=-1)
-        if HAS_EXTRA:
-            x_slot = tl.load(x_idx_ptr + (v - n) * x_idx_stride, mask=(v >= n) & (v < v1), other=-1)
-            slot = tl.where(main, slot, x_slot)
+    """Accumulate the keys of index entries ``[j0, j1)`` of one cache: format ``FMT`` (0: V4,
+    1: V4.1 FP8, 2: V4.1 FP4), tokens of ``DATA_BYTES`` then ``SCALE_BYTES``, ``INTERLEAVED`` or
+    block-split pages."""
+    for b0 in range(j0, j1, BLOCK_N):
+        j = b0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
         valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
         slot = tl.where(valid, slot, 0)
-        data, scales = _records(cache_ptr, slot, page_size, page_stride)
-        if HAS_EXTRA:
-            x_data, x_scales = _records(x_cache_ptr, slot, x_page_size, x_page_stride)
-            data = tl.where(main, data, x_data)
-            scales = tl.where(main, scales, x_scales)
-        k = _keys(data, scales, valid)
+        data, scales = _records(cache_ptr, slot, page_size, page_stride, DATA_BYTES, SCALE_BYTES, INTERLEAVED)
+        k = _keys(data, scales, valid, FMT)
         p, alpha, m, l = _online_softmax(tl.dot(q, tl.trans(k)), valid, m, l, scale_log2)
         acc = tl.dot(p, k, acc * alpha[:, None])
     return acc, m, l
@@ -264,6 +312,8 @@ def _decode_kernel(
     s_q, heads, num_splits, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
+    X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr, X_INTERLEAVED: tl.constexpr,
 ):
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
@@ -297,11 +347,17 @@ def _decode_kernel(
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     idx_row = idx_ptr + b.to(tl.int64) * idx_sb + s.to(tl.int64) * idx_ss
     x_idx_row = x_idx_ptr + b.to(tl.int64) * x_idx_sb + s.to(tl.int64) * x_idx_ss
+    # the split's part of the main entries, then of the extra ones (each cache has its own format)
     acc, m, l = _attend(
-        acc, m, l, q, v0, v1, n, scale_log2,
-        cache_ptr, page_size, page_stride, idx_row, idx_sj,
-        x_cache_ptr, x_page_size, x_page_stride, x_idx_row, x_idx_sj, HAS_EXTRA, BLOCK_N,
+        acc, m, l, q, v0, tl.minimum(v1, n), scale_log2,
+        cache_ptr, page_size, page_stride, idx_row, idx_sj, FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, BLOCK_N,
     )
+    if HAS_EXTRA:
+        acc, m, l = _attend(
+            acc, m, l, q, tl.maximum(v0, n) - n, v1 - n, scale_log2,
+            x_cache_ptr, x_page_size, x_page_stride, x_idx_row, x_idx_sj,
+            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, BLOCK_N,
+        )
 
     lse2, inv_l = _lse2_and_inverse(m, l)
     part_at = (row.to(tl.int64) * num_splits + split) * heads + h
@@ -393,7 +449,8 @@ def _prefill_kernel(
 
 
 _JITTED = (
-    "_fp8_keys", "_bf16_keys", "_records", "_cat", "_keys", "_online_softmax", "_attend",
+    "_fp8_keys", "_bf16_keys", "_records", "_cat", "_e4m3_values", "_v4_keys", "_v41_fp8_keys",
+    "_e2m1_values", "_v41_fp4_keys", "_keys", "_online_softmax", "_attend",
     "_lse2_and_inverse", "_sink_and_lse", "_store_partial", "_store_final", "_decode_kernel", "_combine",
     "_combine_kernel", "_prefill_kernel",
 )
@@ -449,8 +506,23 @@ def _partial_mode(splits) -> int:
     return 2
 
 
+#: Per cache format, the decode kernel's constexprs: format id, data bytes, scale bytes, interleaved.
+FORMAT_CONSTEXPRS = {
+    name: (0 if fmt.is_v4 else 1 if fmt.values == "fp8" else 2, fmt.data_bytes, fmt.scale_bytes, fmt.interleaved)
+    for name, fmt in layout.FORMATS.items()
+}
+
+
+def _format_kwargs(kv_format: str, extra_kv_format: str | None) -> dict:
+    main = FORMAT_CONSTEXPRS[kv_format]
+    extra = FORMAT_CONSTEXPRS[extra_kv_format or kv_format]
+    names = ("FMT", "DATA_BYTES", "SCALE_BYTES", "INTERLEAVED")
+    return {**dict(zip(names, main)), **dict(zip(("X_" + n for n in names), extra))}
+
+
 def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
-            extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v):
+            extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v,
+            kv_format="v4", extra_kv_format=None):
     """Allocate the outputs (and a workspace if split) and launch; ``kernels`` maps a jitted
     kernel to what is launched (itself, or its ``wrap_triton`` wrapper)."""
     batch, s_q, heads = q.shape[:3]
@@ -486,7 +558,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         s_q, heads, splits, softmax_scale * LOG2E,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
-        PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
@@ -528,15 +600,15 @@ _eager = triton_common.eager  # eager launches: jitted kernel -> its EagerLaunch
 def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
 ):
-    """``dsv4::flash_mla_with_kvcache`` (docs/design.md §2.3) on validated arguments; scheduler metadata
-    is ignored. No host sync: capture-safe."""
+    """``dsv4::flash_mla_with_kvcache`` (docs/design.md §2.3) on validated arguments, every cache
+    format; scheduler metadata is ignored. No host sync: capture-safe."""
     _triton()
     with triton_common.device_guard(q.device):
         return _decode(_eager, q, k_cache, page_size, indices, topk_length, attn_sink,
                        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-                       softmax_scale, head_dim_v)
+                       softmax_scale, head_dim_v, kv_format, extra_kv_format)
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
@@ -574,7 +646,7 @@ register()
 # --------------------------------------------------------------------------------------------
 
 
-def inlines(op: str, device: torch.device) -> bool:
+def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     """Whether ``torch.compile`` traces ``op`` on ``device`` into visible Triton launches.
 
     True when, at compile time, the provider that serves ``op`` on ``device`` (under the current
@@ -585,8 +657,12 @@ def inlines(op: str, device: torch.device) -> bool:
     """
     if not triton_common.inlining_allowed(device):
         return False
+    call = None
+    if args is not None:  # the call's signature: provider rules may depend on it
+        call_type, key = ops.CALLS[op]
+        call = call_type(*key(args))
     try:
-        if dispatch.resolve(op, device)[1] is not KERNELS[op]:
+        if dispatch.resolve(op, device, call)[1] is not KERNELS[op]:
             return False
     except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False
@@ -597,9 +673,9 @@ def _functional_rule(op: str, launch, check):
     defaults = ops._schema_defaults(op)
 
     def rule(mode, op_overload, types, args, kwargs):
-        if not triton_common.may_trace(types) or not inlines(op, args[0].device):
-            return mode.__torch_dispatch__(op_overload, types, args, kwargs)
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
+        if not triton_common.may_trace(types) or not inlines(op, args[0].device, args):
+            return mode.__torch_dispatch__(op_overload, types, args, kwargs)
         with mode:
             check(*args)
             return launch(torch.library.wrap_triton, *args)

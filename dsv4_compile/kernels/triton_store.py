@@ -29,13 +29,16 @@ provider is then bound into the compiled graph (see :func:`inlines`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import checks, dispatch, layout
+from .. import checks, dispatch, layout, ops
 from . import triton_common
 
 OP = "fused_k_norm_rope_flashmla"
+PLAIN = "quantize_store"
 NAME = "triton"
 #: Launch geometry: tokens per program (a power of two) and warps per program.
 BLOCK_T = 4
@@ -50,9 +53,10 @@ triton = tl = None  # bound by _triton()
 _HEAD_DIM, _NOPE_DIM, _ROPE_DIM, _TILE = layout.HEAD_DIM, layout.NOPE_DIM, layout.ROPE_DIM, layout.TILE
 _NUM_TILES, _DATA_BYTES, _SCALE_BYTES = layout.NUM_TILES, layout.DATA_BYTES, layout.SCALE_BYTES
 _FP8_MAX, _SCALE_MIN, _BIAS = layout.FP8_MAX, layout.SCALE_MIN, layout.UE8M0_BIAS
+_FP4_MAX, _FP4_SCALE_MIN = layout.FP4_MAX, layout.FP4_SCALE_MIN
 _CONSTEXPRS = (
     "_HEAD_DIM", "_NOPE_DIM", "_ROPE_DIM", "_TILE", "_NUM_TILES", "_DATA_BYTES", "_SCALE_BYTES",
-    "_FP8_MAX", "_SCALE_MIN", "_BIAS",
+    "_FP8_MAX", "_SCALE_MIN", "_BIAS", "_FP4_MAX", "_FP4_SCALE_MIN",
 )
 
 
@@ -80,12 +84,65 @@ def _ue8m0_exponent(amax):
     bits = scale.to(tl.int32, bitcast=True)  # scale > 0: exponent field | mantissa
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
+def _round_bf16(v):
+    """fp32 ``v`` rounded to bf16 (nearest even, in integer arithmetic: exact on every backend), as fp32."""
+    return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+
+
+def _normed(x, weight_ptr, weight_stride, eps, LEN: tl.constexpr):
+    """``y = x * rsqrt(mean(x^2) + eps) * w`` of ``x [BT, 512]`` (fp32) without overflow: ``x``
+    scaled by an exact ``2^-k`` (max|x| into [2, 4), k clamped to [-63, 126]) and eps by ``4^-k``,
+    as the reference does. Returns ``y`` and the per-token factor ``2^-k * rsqrt(...)``."""
+    d = tl.arange(0, LEN)
+    w = tl.load(weight_ptr + d * weight_stride).to(tl.float32)
+    amax_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
+    k = tl.minimum(tl.maximum(((amax_bits >> 23) & 0xFF) - 128, -63), 126)
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
+    xs = x * inv[:, None]
+    # eps arrives as fp32 from an eager launch but as fp64 from Inductor's launcher: fix it to fp32
+    # (the reference adds eps to an fp32 tensor, rounding it to fp32 too)
+    eps_scaled = tl.cast(eps, tl.float32) * inv * inv
+    rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) * (1.0 / LEN) + eps_scaled)
+    return xs * rstd[:, None] * w[None, :], inv, rstd
+
+
+def _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
+               freqs_stride1, pos, FUSED: tl.constexpr, ROUND: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Dims 448..511 as the store quantizes them, ``[BT, 64]`` fp32: ``FUSED``: normed (the same
+    factor as :func:`_normed`), rounded to bf16 if ``ROUND`` (V4.1), interleaved RoPE with
+    ``freqs[pos] = (c0, s0, c1, s1, ...)``, rounded to bf16 if ``ROUND``; else the input values."""
+    r = tl.arange(0, _ROPE_DIM)
+    xr = tl.load(row_ptr[:, None] + _NOPE_DIM + r[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if not FUSED:
+        return xr
+    wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
+    yr = xr * inv[:, None] * rstd[:, None] * wr[None, :]
+    if ROUND:
+        yr = _round_bf16(yr)
+    cs = tl.load(
+        freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1, mask=live[:, None], other=0.0,
+    )
+    a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
+    c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
+    rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
+    if ROUND:
+        rope = _round_bf16(rope)
+    return rope
+
+
+def _all_finite(values, keep):
+    """Per token (row): every value where ``keep`` is finite."""
+    ok = (values == values) & (tl.abs(values) != float("inf")) | ~keep
+    return tl.min(ok.to(tl.int32), axis=1) != 0
+
+
 def _store_kernel(
     kv_ptr, weight_ptr, freqs_ptr, positions_ptr, out_loc_ptr, cache_ptr,
     num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
     positions_stride, out_loc_stride, page_stride, eps,
-    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr,
 ):
+    """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
     slot = tl.load(out_loc_ptr + t * out_loc_stride, mask=t < num_tokens, other=-1).to(tl.int64)
     live = slot >= 0  # negative slots (and rows past the end) write nothing
@@ -96,38 +153,17 @@ def _store_kernel(
     scale_ptr = page_ptr + PAGE_SIZE * _DATA_BYTES + off * _SCALE_BYTES  # [BT] 8-byte scale records
     row_ptr = kv_ptr + t.to(tl.int64) * kv_stride
 
-    # y = x * rsqrt(mean(x^2) + eps) * w over all 512 dims, overflow-free: x scaled by an exact
-    # 2^-k (max|x| into [2, 4), k clamped to [-63, 126]) and eps by 4^-k, as the reference does
     d = tl.arange(0, _HEAD_DIM)
     x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    w = tl.load(weight_ptr + d * weight_stride).to(tl.float32)
-    amax_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
-    k = tl.minimum(tl.maximum(((amax_bits >> 23) & 0xFF) - 128, -63), 126)
-    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
-    xs = x * inv[:, None]
-    # eps arrives as fp32 from an eager launch but as fp64 from Inductor's launcher: fix it to fp32
-    # (the reference adds eps to an fp32 tensor, rounding it to fp32 too)
-    eps_scaled = tl.cast(eps, tl.float32) * inv * inv
-    rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) * (1.0 / _HEAD_DIM) + eps_scaled)
-    y = xs * rstd[:, None] * w[None, :]
+    if FUSED:
+        y, inv, rstd = _normed(x, weight_ptr, weight_stride, eps, _HEAD_DIM)
+    else:
+        y, inv, rstd = x, x, x  # (inv, rstd unused)
+    rope = _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
+                      freqs_stride1, pos, FUSED, False, BLOCK_T)
 
-    # interleaved RoPE on dims 448..511 with freqs[pos] = (c0, s0, c1, s1, ...)
-    r = tl.arange(0, _ROPE_DIM)
-    xr = tl.load(row_ptr[:, None] + _NOPE_DIM + r[None, :], mask=live[:, None], other=0.0)
-    wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
-    yr = xr.to(tl.float32) * inv[:, None] * rstd[:, None] * wr[None, :]
-    cs = tl.load(
-        freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1,
-        mask=live[:, None], other=0.0,
-    )
-    a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
-    c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
-    rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
-
-    # a token with a non-finite value (dims 0..447 of y, or the rotated RoPE dims) is a NaN token
-    nope_ok = (y == y) & (tl.abs(y) != float("inf")) | (d[None, :] >= _NOPE_DIM)
-    rope_ok = (rope == rope) & (tl.abs(rope) != float("inf"))
-    finite = (tl.min(nope_ok.to(tl.int32), axis=1) * tl.min(rope_ok.to(tl.int32), axis=1)) != 0
+    # a token with a non-finite value (dims 0..447 of y, or the RoPE dims) is a NaN token
+    finite = _all_finite(y, d[None, :] < _NOPE_DIM) & _all_finite(rope, tl.arange(0, _ROPE_DIM)[None, :] >= 0)
 
     # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
     tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
@@ -149,57 +185,190 @@ def _store_kernel(
     tl.store(data_ptr[:, None] + _NOPE_DIM + rb[None, :], rope_bytes.to(tl.uint8), mask=live[:, None])
 
 
-_JITTED = ("_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_store_kernel")
+def _e4m3_value(code):
+    """The fp32 value of positive float8_e4m3fn codes (int32), exactly (through fp16 bits)."""
+    return ((code & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+def _v41_fp8(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+    """V4.1 FP8 of ``values [BT, WIDTH]``: per group of 32, ``e = ceil(log2(max(amax / 448,
+    1e-4)))`` from the quotient's bits; codes ``e4m3(x * 2^-e)`` (RNE, exact scaling), bytes
+    ``e + 127``. Returns ``(codes [BT, WIDTH], scale bytes [BT, WIDTH // 32])`` (int32)."""
+    groups = tl.reshape(values, (BLOCK_T, WIDTH // 32, 32))
+    q = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), axis=2), _FP8_MAX), _SCALE_MIN)
+    bits = q.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    codes = _e4m3fn_bits(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)))
+    return codes, e + _BIAS
+
+
+def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+    """V4.1 FP4 of ``values [BT, WIDTH]``: per group of 16, scale ``s = e4m3(clamp(amax / 6, 2^-9,
+    448))`` (RNE); codes e2m1 of ``x / s`` (IEEE division; ties to even, saturating at 6, the sign
+    bit kept). Returns ``(codes [BT, WIDTH] 0..15, scale bytes [BT, WIDTH // 16])`` (int32)."""
+    groups = tl.reshape(values, (BLOCK_T, WIDTH // 16, 16))
+    amax = tl.max(tl.abs(groups), axis=2)
+    scale_code = _e4m3fn_bits(tl.minimum(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), _FP8_MAX))
+    v = tl.div_rn(groups, _e4m3_value(scale_code)[:, :, None])
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+    return tl.reshape(code, (BLOCK_T, WIDTH)), scale_code
+
+
+def _v41_bytes(values, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``values [BT, WIDTH]`` as V4.1 data bytes (``[BT, WIDTH]`` FP8, ``[BT, WIDTH // 2]`` FP4:
+    the even-indexed value in the low nibble) and scale bytes, int32."""
+    if FP4:
+        codes, scales = _v41_fp4(values, WIDTH, BLOCK_T)
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, WIDTH // 2, 2)))
+        return lo | (hi << 4), scales
+    return _v41_fp8(values, WIDTH, BLOCK_T)
+
+
+def _store_v41_kernel(
+    kv_ptr, weight_ptr, freqs_ptr, positions_ptr, out_loc_ptr, cache_ptr,
+    num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
+    positions_stride, out_loc_stride, page_stride, eps,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, FP4: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """V4.1 (528-byte FP8 or 288-byte ``FP4`` tokens, block-split or ``INTERLEAVED`` pages):
+    ``FUSED``: norm, bf16, RoPE on dims 448..511, bf16, then all 512 dims quantized; else the
+    plain quantize-and-store. Dims 0..447 and 448..511 are whole scale groups (448 = 14 x 32 =
+    28 x 16), so they are quantized as two tiles: ``[BT, 512]`` (stored up to 448 when fused) and
+    the RoPE dims ``[BT, 64]``."""
+    DATA: tl.constexpr = _HEAD_DIM // 2 if FP4 else _HEAD_DIM  # bytes per token
+    SCALES: tl.constexpr = _HEAD_DIM // 16 if FP4 else _HEAD_DIM // 32
+    NOPE_DATA: tl.constexpr = _NOPE_DIM // 2 if FP4 else _NOPE_DIM
+    NOPE_SCALES: tl.constexpr = _NOPE_DIM // 16 if FP4 else _NOPE_DIM // 32
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
+    slot = tl.load(out_loc_ptr + t * out_loc_stride, mask=t < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0  # negative slots (and rows past the end) write nothing
+    pos = tl.load(positions_ptr + t * positions_stride, mask=live, other=0).to(tl.int64)
+    page_ptr = cache_ptr + (slot // PAGE_SIZE) * page_stride
+    off = slot % PAGE_SIZE
+    if INTERLEAVED:
+        data_ptr = page_ptr + off * (DATA + SCALES)
+        scale_ptr = data_ptr + DATA
+    else:
+        data_ptr = page_ptr + off * DATA
+        scale_ptr = page_ptr + PAGE_SIZE * DATA + off * SCALES
+    row_ptr = kv_ptr + t.to(tl.int64) * kv_stride
+
+    d = tl.arange(0, _HEAD_DIM)
+    x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if FUSED:
+        y, inv, rstd = _normed(x, weight_ptr, weight_stride, eps, _HEAD_DIM)
+        y = _round_bf16(y)
+        rope = _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
+                          freqs_stride1, pos, True, True, BLOCK_T)
+        finite = _all_finite(y, d[None, :] < _NOPE_DIM) & _all_finite(rope, tl.arange(0, _ROPE_DIM)[None, :] >= 0)
+    else:
+        y = x
+        finite = _all_finite(y, d[None, :] >= 0)
+
+    data, scales = _v41_bytes(y, FP4, _HEAD_DIM, BLOCK_T)
+    nan_data: tl.constexpr = 0x00 if FP4 else 0x7F  # the NaN token: FP4 codes 0 with NaN scales
+    nan_scale: tl.constexpr = 0x7F if FP4 else 0xFF
+    data = tl.where(finite[:, None], data, nan_data)
+    scales = tl.where(finite[:, None], scales, nan_scale)
+    b = tl.arange(0, DATA)
+    g = tl.arange(0, SCALES)
+    data_end = NOPE_DATA if FUSED else DATA
+    scales_end = NOPE_SCALES if FUSED else SCALES
+    tl.store(data_ptr[:, None] + b[None, :], data.to(tl.uint8), mask=live[:, None] & (b[None, :] < data_end))
+    tl.store(scale_ptr[:, None] + g[None, :], scales.to(tl.uint8), mask=live[:, None] & (g[None, :] < scales_end))
+    if FUSED:  # the RoPE dims' own groups
+        rope_data, rope_scales = _v41_bytes(rope, FP4, _ROPE_DIM, BLOCK_T)
+        rope_data = tl.where(finite[:, None], rope_data, nan_data)
+        rope_scales = tl.where(finite[:, None], rope_scales, nan_scale)
+        rb = tl.arange(0, DATA - NOPE_DATA)
+        rg = tl.arange(0, SCALES - NOPE_SCALES)
+        tl.store(data_ptr[:, None] + NOPE_DATA + rb[None, :], rope_data.to(tl.uint8), mask=live[:, None])
+        tl.store(scale_ptr[:, None] + NOPE_SCALES + rg[None, :], rope_scales.to(tl.uint8), mask=live[:, None])
+
+
+_JITTED = (
+    "_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims", "_all_finite",
+    "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
+)
 def _triton():
     """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
-def _launch(kernel, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size) -> None:
-    """Launch ``kernel`` (the jitted kernel, its ``triton_common.eager`` launcher, or it wrapped by
-    ``wrap_triton``) over all tokens."""
+def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format, fused) -> None:
+    """Launch the store for ``kv_format`` over all tokens; ``kernels`` maps a jitted kernel to what
+    is launched (its ``triton_common.eager`` launcher, or its ``wrap_triton`` wrapper)."""
     num_tokens = kv.shape[0]
     if num_tokens == 0:
         return
-    kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
+    fmt = layout.cache_format(kv_format)
+    if fmt.is_v4:
+        kernel, formats = _store_kernel, {}
+    else:
+        kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
+    kernels(kernel)[(triton.cdiv(num_tokens, BLOCK_T),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride(0), kv_weight.stride(0), freqs.stride(0), freqs.stride(1),
         positions.stride(0), out_loc.stride(0), kvcache.stride(0), eps,
-        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
+        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, num_warps=NUM_WARPS,
     )
 
 
-def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
-    """The provider kernel (eager) on validated arguments: one launch, no host sync."""
+def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format="v4") -> tuple:
+    """The launch arguments of a plain quantize-and-store: ``kv`` and ``out_loc`` stand in for the
+    weight, the table and the positions the kernels do not read then."""
+    return kv, kv, kv, out_loc, out_loc, kvcache, 0.0, page_size, kv_format, False
+
+
+def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
+    """``dsv4::fused_k_norm_rope_flashmla`` (eager) on validated arguments, every cache format: one
+    launch, no host sync."""
     _triton()
     with triton_common.device_guard(kv.device):
-        _launch(triton_common.eager(_store_kernel), kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size)
+        _launch(triton_common.eager, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size,
+                kv_format, True)
+
+
+def quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4"):
+    """``dsv4::quantize_store`` (eager) on validated arguments, every cache format: one launch."""
+    _triton()
+    with triton_common.device_guard(kv.device):
+        _launch(triton_common.eager, *_plain_arguments(kv, out_loc, kvcache, page_size, kv_format))
+
+
+KERNELS = {OP: fused_k_norm_rope_flashmla, PLAIN: quantize_store}
 
 
 def load(device: torch.device) -> dict:
-    """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
+    """Provider loader: the kernels, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
     triton_common.require_device(_triton(), _store_kernel, device, "store")
-    return {OP: fused_k_norm_rope_flashmla}
+    return dict(KERNELS)
 
 
 def register() -> None:
-    """Register the store's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
+    """Register the stores' ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
-        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(OP,), fallback=True))
+        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(OP, PLAIN), fallback=True))
 
 
 register()
 
 
 # --------------------------------------------------------------------------------------------
-# Inductor visibility: decompose the op into the Triton launch under functionalization.
+# Inductor visibility: decompose the ops into the Triton launch under functionalization.
 # --------------------------------------------------------------------------------------------
 
 
-def inlines(device: torch.device) -> bool:
-    """Whether ``torch.compile`` traces the op on ``device`` into a visible Triton launch.
+def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
+    """Whether ``torch.compile`` traces store op ``op`` on ``device`` (for a call with ``args``)
+    into a visible Triton launch.
 
-    True when, at compile time, the provider serving the op on ``device`` (under the current
+    True when, at compile time, the provider serving the call on ``device`` (under the current
     :func:`~dsv4_compile.use_provider` override) runs this module's kernel, compiled (not
     ``TRITON_INTERPRET``), and :func:`.triton_common.inlining_allowed`. The graph then launches the
     kernel directly: a provider override or checked mode set *after* compiling does not reach it
@@ -210,27 +379,44 @@ def inlines(device: torch.device) -> bool:
     """
     if not triton_common.inlining_allowed(device):
         return False
+    call = None
+    if args is not None:
+        call_type, key = ops.CALLS[op]
+        call = call_type(*key(args))
     try:
-        if dispatch.resolve(OP, device)[1] is not fused_k_norm_rope_flashmla:
+        if dispatch.resolve(op, device, call)[1] is not KERNELS[op]:
             return False
     except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False
     return not triton_common.interpreting(_store_kernel)  # interpreted kernels cannot be traced
 
 
-def _functional_rule(mode, op, types, args, kwargs):
-    """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
-    symbolic = not all(isinstance(n, int) for n in args[0].shape)
-    if symbolic or not triton_common.may_trace(types) or not inlines(args[0].device):
-        # A symbolic token count keeps the opaque op: a graph traced with one gave wrong cache
-        # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-    with mode:
-        checks.check_store(*args)
-        _launch(torch.library.wrap_triton(_store_kernel), *args)
-    return None
+def _functional_rule(op_name: str, check, launch_arguments):
+    defaults = ops._schema_defaults(op_name)
+
+    def rule(mode, op, types, args, kwargs):
+        """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
+        args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
+        symbolic = not all(isinstance(n, int) for n in args[0].shape)
+        if symbolic or not triton_common.may_trace(types) or not inlines(op_name, args[0].device, args):
+            # A symbolic token count keeps the opaque op: a graph traced with one gave wrong cache
+            # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            check(*args)
+            _launch(torch.library.wrap_triton, *launch_arguments(*args))
+        return None
+
+    return rule
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
-torch.library.register_torch_dispatch(f"dsv4::{OP}", FunctionalTensorMode, _functional_rule, lib=_lib)
-triton_common.register_cache_key(OP, triton_common.InlinedKernels(inlines, ("_store_kernel",), globals()))
+for _op, _check, _arguments in (
+    (OP, checks.check_store, lambda *args: (*args, True)),
+    (PLAIN, checks.check_quantize_store, _plain_arguments),
+):
+    torch.library.register_torch_dispatch(
+        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _check, _arguments), lib=_lib
+    )
+    triton_common.register_cache_key(_op, triton_common.InlinedKernels(
+        functools.partial(inlines, _op), ("_store_kernel", "_store_v41_kernel"), globals()))

@@ -13,8 +13,8 @@ accepts and its result back into what the op's fake promises:
   back; contiguous inputs; nothing to attend (no rows or no index columns) answered here, since the
   library refuses such launches;
 * store: ``out_loc`` as int32 with every negative slot mapped to -1; a ``page_size`` that is not a
-  power of two is not served here (the rule :data:`POWER_OF_TWO_PAGES`: the next provider serves it,
-  warned once).
+  power of two, or a V4.1 cache, is not served here (the rules :data:`STORE_RULE` and
+  :data:`DECODE_RULE`: the next provider serves the call, warned once).
 
 Invalid indices need no translation: the library ignores slots ``< 0`` or ``>= capacity``, a
 superset of the contract's ``-1`` holes, so every index the contract allows gives the reference's
@@ -72,15 +72,20 @@ def load(device: torch.device) -> dict[str, Callable]:
     }
 
 
-#: sgl-kernel-xpu's store computes slot -> (page, offset) with shifts: a power-of-two page size.
-POWER_OF_TWO_PAGES = dispatch.Rule(
-    "page_size a power of two", lambda device, call: _is_power_of_two(call.page_size)
+#: sgl-kernel-xpu's store computes slot -> (page, offset) with shifts (a power-of-two page size),
+#: and it reads and writes V4 caches only.
+STORE_RULE = dispatch.Rule(
+    "page_size a power of two and kv_format 'v4'",
+    lambda device, call: _is_power_of_two(call.page_size) and call.kv_format == "v4",
 )
+DECODE_RULE = dispatch.Rule("kv_format 'v4'", lambda device, call: call.kv_format == "v4")
 
 
 def register() -> None:
     """Register the provider for device type ``"xpu"`` (idempotent; imports nothing)."""
-    dispatch.register_provider(dispatch.Provider(NAME, DEVICE_TYPE, load, rules={STORE: POWER_OF_TWO_PAGES}))
+    dispatch.register_provider(dispatch.Provider(
+        NAME, DEVICE_TYPE, load, rules={STORE: STORE_RULE, "flash_mla_with_kvcache": DECODE_RULE},
+    ))
 
 
 register()
@@ -133,7 +138,8 @@ class _Adapters:
         self.lib = lib
         self.device = device
 
-    def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size):
+    def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size,
+                                   kv_format="v4"):
         if out_loc.dtype != torch.int32:
             out_loc = out_loc.clamp_min(-1).to(torch.int32)  # any negative slot is a skip: -1
         self.lib.fused_k_norm_rope_flashmla(
@@ -151,7 +157,7 @@ class _Adapters:
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
     ):
         batch, s_q, heads = q.shape[:3]
         rows = batch * s_q
