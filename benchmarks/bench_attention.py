@@ -16,39 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 import dsv4_compile as d4
-from common import DEV, decode_inputs
+from common import DEV, decode_inputs, graph_timed, timed
 
-
-
-def timed(fn, calls=50, runs=7) -> float:
-    """Median microseconds per call (CUDA events around ``calls`` calls)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
-
-
-def graph_timed(fn, per_graph=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    return timed(graph.replay) / per_graph
 
 
 def bench_decode(rows: int) -> dict:

@@ -7,7 +7,11 @@ prefills three prompts of different lengths, then runs greedy decode steps eager
 same prefilled state, and reports the graph count, graph breaks, recompiles, the largest logit
 difference compiled vs eager, the provider serving each op, and the time per decode step.
 
-    python examples/generate.py [--device cpu|cuda] [--steps 8] [--json]
+    python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--json]
+
+``--kv-format``: the caches' format: ``v4`` (584-byte tokens), ``v4.1`` (528-byte FP8, block-split
+pages), ``v4.1-interleaved``, and ``v4.1-fp4`` / ``v4.1-fp4-interleaved`` (the ratio-4 compressed
+cache in 288-byte FP4, as DSV4.1 stores its low-ratio compressed caches).
 
 The first compiled step includes compilation (tens of seconds on a small CPU machine, cached on
 disk for the next run); the reported compiled time per step (median, and the fastest step)
@@ -29,6 +33,14 @@ from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, gen
 from dsv4_compile.models.model import Batch
 
 PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
+#: --kv-format: (CacheConfig.kv_format, CacheConfig.fp4_ratios)
+KV_FORMATS = {
+    "v4": ("v4", ()),
+    "v4.1": ("v4.1", ()),
+    "v4.1-interleaved": ("v4.1-interleaved", ()),
+    "v4.1-fp4": ("v4.1", (4,)),
+    "v4.1-fp4-interleaved": ("v4.1-interleaved", (4,)),
+}
 
 
 class Timed:
@@ -65,13 +77,16 @@ def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8, help="decode steps (>= 2)")
+    parser.add_argument("--kv-format", default="v4", choices=sorted(KV_FORMATS), help="the caches' format")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     device = torch.device(args.device)
     steps = max(args.steps, 2)
 
     config = tiny_config()
-    model = DeepseekV4Model(config, CacheConfig(max_requests=4, max_seq_len=512), seed=0, device=device)
+    kv_format, fp4_ratios = KV_FORMATS[args.kv_format]
+    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, fp4_ratios=fp4_ratios)
+    model = DeepseekV4Model(config, cache, seed=0, device=device)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
@@ -97,6 +112,7 @@ def main() -> dict:
 
     report = {
         "device": str(device),
+        "kv_format": args.kv_format,
         "graph_count": explanation.graph_count,
         "graph_break_count": explanation.graph_break_count,
         "recompiles": recompiles,

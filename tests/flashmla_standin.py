@@ -83,6 +83,43 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
     return out, lse, tile_scheduler_metadata, num_splits
 
 
+#: FlashMLA's current kernels (torch.ops.flash_mla, SM100): the V4.1 format of a cache from its
+#: bytes per token (interleaved arrangement).
+V41_FORMATS = {528: "v4.1-fp8-interleaved", 288: "v4.1-fp4-interleaved"}
+
+
+def _check_v41_view(name, kv):
+    assert kv.dim() == 4 and kv.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8), (name, kv.dtype)
+    bpt = kv.shape[3]
+    assert bpt in V41_FORMATS, f"Unsupported bytes_per_token for d_qk=512: {bpt}. Expected 528 (V4.1) or 288"
+    assert kv.shape[2] == 1 and kv.stride(1) == bpt and kv.stride(3) == 1, "The whole block must be contiguous"
+    assert kv.stride(0) % bpt == 0, f"{name}.stride(0) must be a multiple of {bpt}"
+
+
+def current_sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                              extra_kv, extra_indices, extra_topk_length, d_v, sm_scale,
+                              enable_batch_invariant=False):
+    """``flash_mla::sparse_decode_fwd``: V4.1 interleaved caches, FP4 only as the extra cache."""
+    CALLS.append(("decode_v41", dict(q=q, kv=kv, indices=indices, meta=tile_scheduler_metadata,
+                                     extra_kv=extra_kv, extra_indices=extra_indices)))
+    batch, s_q, heads, d_qk = q.shape
+    assert batch > 0 and s_q > 0 and q.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
+    assert heads in (64, 128), f"Unsupported h_q: {heads}"
+    _check_v41_view("kv", kv)
+    assert kv.shape[3] == 528, "The fp4 KV cache is only supported as extra_kv"
+    assert indices.dtype == torch.int32 and indices.shape[-1] % 64 == 0
+    if extra_kv is not None:
+        _check_v41_view("extra_kv", extra_kv)
+        assert extra_indices.shape[-1] % 64 == 0
+    out, lse = reference.flash_mla_with_kvcache(
+        q, _base_bytes(kv), kv.shape[1], indices, topk_length, attn_sink,
+        None if extra_kv is None else _base_bytes(extra_kv), 1 if extra_kv is None else extra_kv.shape[1],
+        extra_indices, extra_topk_length, None, None, sm_scale, d_v,
+        V41_FORMATS[kv.shape[3]], None if extra_kv is None else V41_FORMATS[extra_kv.shape[3]],
+    )
+    return out, lse, tile_scheduler_metadata, num_splits
+
+
 def _prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     CALLS.append(("prefill", dict(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)))
     s_q, heads, d_qk = q.shape
@@ -116,11 +153,24 @@ DECODE_SCHEMA = (
 _libs = {}
 
 
+CURRENT_DECODE_SCHEMA = (
+    "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+    "Tensor? tile_scheduler_metadata, Tensor? num_splits, Tensor? extra_kv, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, int d_v, float sm_scale, bool enable_batch_invariant=False) "
+    "-> (Tensor, Tensor, Tensor?, Tensor?)"
+)
+
+
 def define(namespace: str) -> None:
     """Register the stand-in ops under ``torch.ops.<namespace>`` (once per process)."""
     if namespace in _libs:
         return
     lib = torch.library.Library(namespace, "DEF")
+    if namespace == "flash_mla":  # the current kernels: decode only here
+        lib.define(CURRENT_DECODE_SCHEMA)
+        lib.impl("sparse_decode_fwd", current_sparse_decode_fwd, "CompositeExplicitAutograd")
+        _libs[namespace] = lib
+        return
     lib.define(DECODE_SCHEMA)
     lib.impl("sparse_decode_fwd", sparse_decode_fwd, "CompositeExplicitAutograd")
     if namespace == "sgl_kernel":
@@ -140,6 +190,7 @@ def install(monkeypatch, provider: str) -> None:
     (provider ``sgl_kernel``) succeed with these stand-ins, and hide the other one."""
     if provider == "flashmla":
         define("flash_mla_legacy")
+        define("flash_mla")
         module = types.ModuleType("flash_mla")
         module.has_legacy = lambda: True
         monkeypatch.setitem(sys.modules, "flash_mla", module)

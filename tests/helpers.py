@@ -25,15 +25,16 @@ def store_inputs(num_tokens: int, dtype=torch.bfloat16, index_dtype=torch.int64,
     return kv, weight, freqs, positions
 
 
-def filled_cache(num_pages: int, page_size: int, num_tokens: int | None = None, page_stride=None):
+def filled_cache(num_pages: int, page_size: int, num_tokens: int | None = None, page_stride=None,
+                 kv_format: str = "v4"):
     """A cache with ``num_tokens`` random tokens (default: every slot) stored by the op; returns
     ``(cache, slots)``."""
-    cache = d4.alloc_cache(num_pages, page_size, page_stride=page_stride)
+    cache = d4.alloc_cache(num_pages, page_size, page_stride=page_stride, kv_format=kv_format)
     cap = num_pages * page_size
     n = cap if num_tokens is None else num_tokens
     slots = torch.randperm(cap)[:n]
     kv, w, freqs, pos = store_inputs(n)
-    d4.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, page_size)
+    d4.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, page_size, kv_format)
     return cache, slots
 
 
@@ -104,23 +105,28 @@ def referenced_slots(indices: torch.Tensor, lengths: torch.Tensor | None) -> tor
     return indices[counted].unique()
 
 
-def poison_unreferenced(cache: torch.Tensor, page_size: int, slots: torch.Tensor, byte: int) -> torch.Tensor:
-    """A copy of ``cache`` with every byte set to ``byte`` except the data record (576 bytes at
-    ``o*576``) and scale record (8 bytes at ``P*576 + o*8``) of each slot ``p*P + o`` in ``slots``."""
+def poison_unreferenced(cache: torch.Tensor, page_size: int, slots: torch.Tensor, byte: int,
+                        kv_format: str = "v4") -> torch.Tensor:
+    """A copy of ``cache`` with every byte set to ``byte`` except the data and scale records of each
+    slot ``p*P + o`` in ``slots`` (the format's geometry, checked against the models in
+    test_layout.py and test_formats.py)."""
+    fmt = d4.layout.FORMATS[kv_format]
     poisoned = torch.full_like(cache, byte)
     for s in slots.tolist():
         p, o = divmod(s, page_size)
-        for start, size in ((o * 576, 576), (page_size * 576 + o * 8, 8)):
+        for start, size in ((fmt.data_offset(page_size, o), fmt.data_bytes),
+                            (fmt.scale_offset(page_size, o), fmt.scale_bytes)):
             poisoned[p, start : start + size] = cache[p, start : start + size]
     return poisoned
 
 
-def decode_args_around_garbage(heads: int = 16, s_q: int = 2, device="cpu", width: int = 24) -> list:
+def decode_args_around_garbage(heads: int = 16, s_q: int = 2, device="cpu", width: int = 24,
+                               kv_format: str = "v4", extra_format: str | None = None) -> list:
     """Decode arguments (schema order) whose counted entries avoid page 0 of both caches, while
     entries past ``topk_length`` point into it (slot 0) and ``-1`` holes sit among the counted ones."""
     batch, page_size, extra_page_size, extra_width = 3, 16, 2, 6
-    cache, _ = filled_cache(4, page_size)
-    extra, _ = filled_cache(4, extra_page_size)
+    cache, _ = filled_cache(4, page_size, kv_format=kv_format)
+    extra, _ = filled_cache(4, extra_page_size, kv_format=extra_format or kv_format)
     indices = random_indices((batch, s_q, width), 3 * page_size) + page_size  # pages 1..3
     indices[indices == page_size - 1] = -1
     lengths = torch.tensor([width, 10, 0], dtype=torch.int32)
@@ -133,16 +139,17 @@ def decode_args_around_garbage(heads: int = 16, s_q: int = 2, device="cpu", widt
     q = torch.randn(batch, s_q, heads, 512, dtype=torch.bfloat16)
     sink_vals = torch.randn(heads)
     args = [q, cache, page_size, indices, lengths, sink_vals, extra, extra_page_size, extra_indices,
-            extra_lengths, None, None, 512**-0.5, 512]
+            extra_lengths, None, None, 512**-0.5, 512, kv_format, extra_format]
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def poisoned_decode_args(args: list, byte: int) -> list:
     """``args`` (from :func:`decode_args_around_garbage`) with every unreferenced cache byte ``byte``."""
     args = list(args)
-    for cache_at, size_at, idx_at, len_at in ((1, 2, 3, 4), (6, 7, 8, 9)):
+    formats = (args[14], args[15] or args[14]) if len(args) > 14 else ("v4", "v4")
+    for (cache_at, size_at, idx_at, len_at), fmt in zip(((1, 2, 3, 4), (6, 7, 8, 9)), formats):
         slots = referenced_slots(args[idx_at].cpu(), args[len_at].cpu())
-        poisoned = poison_unreferenced(args[cache_at].cpu(), args[size_at], slots, byte)
+        poisoned = poison_unreferenced(args[cache_at].cpu(), args[size_at], slots, byte, fmt)
         args[cache_at] = poisoned.to(args[cache_at].device)
     return args
 

@@ -252,3 +252,63 @@ def test_empty_batches_launch_nothing(provider, batch, s_q):
                       0.1, 512, None, None)
     assert prefill[0].shape == (0, 64, 512)
     assert standin.CALLS == []
+
+
+def v41_case(kv_format="v4.1-fp8-interleaved", extra_format="v4.1-fp4-interleaved", heads=64, batch=2):
+    """Decode arguments over V4.1 caches (stored by the reference), odd page sizes."""
+    args = []
+    caches = []
+    for fmt, pages, page_size in ((kv_format, 3, 5), (extra_format, 4, 2)):
+        cache = d4.alloc_cache(pages, page_size, kv_format=fmt)
+        cap = pages * page_size
+        d4.quantize_store(torch.randn(cap, 512), torch.arange(cap), cache, page_size, fmt)
+        caches.append((cache, page_size, cap))
+    (cache, p, cap), (extra, ep, ecap) = caches
+    args = [torch.randn(batch, 1, heads, 512, dtype=torch.bfloat16), cache, p,
+            random_indices((batch, 1, 40), cap), torch.tensor([40, 7], dtype=torch.int32)[:batch], sink("random", heads),
+            extra, ep, random_indices((batch, 1, 6), ecap), None, None, None, 0.05, 512, kv_format, extra_format]
+    return args
+
+
+def test_v41_interleaved_on_sm100_runs_flashmla_current_kernels(monkeypatch):
+    standin.install(monkeypatch, "flashmla")
+    monkeypatch.setattr(flashmla, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
+    dispatch.reset()
+    standin.CALLS.clear()
+    try:
+        args = v41_case()
+        meta = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+        args[10], args[11] = meta  # the V4 kernels' schedule: the V4.1 decode schedules inside
+        out, lse = on_cuda("flash_mla_with_kvcache", *args)
+        name, call = standin.CALLS[-1]
+        assert name == "decode_v41" and call["meta"] is None
+        assert call["kv"].shape[3] == 528 and call["extra_kv"].shape[3] == 288
+        assert call["kv"].data_ptr() == args[1].data_ptr() and call["indices"].shape[-1] == 64
+        want = reference.flash_mla_with_kvcache(*args)
+        torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+        torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-6)
+    finally:
+        dispatch.reset()
+
+
+@pytest.mark.parametrize("capability,kv_format,extra_format", [
+    ((9, 0), "v4.1-fp8-interleaved", "v4.1-fp4-interleaved"),  # SM90: no V4.1 FlashMLA kernel
+    ((10, 0), "v4.1-fp8", "v4.1-fp4"),  # block-split: FlashMLA's current kernels read interleaved only
+    ((10, 0), "v4.1-fp8-interleaved", "v4.1-fp4"),
+])
+def test_v41_calls_flashmla_cannot_serve_go_to_the_next_provider(monkeypatch, capability, kv_format, extra_format):
+    standin.install(monkeypatch, "flashmla")
+    monkeypatch.setattr(flashmla, "_capability", lambda device: capability)
+    dispatch.reset()
+    standin.CALLS.clear()
+    try:
+        args = v41_case(kv_format, extra_format)
+        with pytest.warns(RuntimeWarning, match="'flashmla' needs kv_format 'v4'"):
+            out, lse = on_cuda("flash_mla_with_kvcache", *args)
+        assert standin.CALLS == []
+        want = reference.flash_mla_with_kvcache(*args)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert dispatch.provider_chain("cuda:0")["flash_mla_with_kvcache"][0][0] == "flashmla"
+    finally:
+        dispatch.reset()

@@ -17,7 +17,7 @@ from dsv4_compile.tolerances import REFERENCE
 import float64_v41 as model
 from conftest import call
 from float64_model import attend
-from helpers import rope_table
+from helpers import GARBAGE_BYTES, decode_args_around_garbage, poisoned_decode_args, rope_table
 
 STORE = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
 PLAIN = torch.ops.dsv4.quantize_store.default
@@ -264,6 +264,16 @@ def test_decode_matches_float64(kv_format, extra_format):
                                        rtol=REFERENCE["out"].rtol)
             torch.testing.assert_close(lse[b, :, s].double(), want_lse, atol=REFERENCE["lse"].atol,
                                        rtol=REFERENCE["lse"].rtol)
+
+
+@pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
+@pytest.mark.parametrize("kv_format,extra_format", PAIRS[1:3], ids=[f"{a}+{b}" for a, b in PAIRS[1:3]])
+def test_decode_reads_nothing_its_row_does_not_reference(kv_format, extra_format, byte):
+    args = decode_args_around_garbage(kv_format=kv_format, extra_format=extra_format)
+    clean = call(DECODE, *args)
+    dirty = call(DECODE, *poisoned_decode_args(args, byte))
+    assert clean[0].isfinite().all()
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
 
 @pytest.mark.parametrize("kv_format", V41)

@@ -33,8 +33,13 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def make_model(device="cpu") -> DeepseekV4Model:
-    return DeepseekV4Model(CFG, CACHE, seed=0, device=device)
+#: The cache formats of CacheConfig: (kv_format, fp4_ratios)
+FORMATS = {"v4.1": ("v4.1", ()), "v4.1-fp4-interleaved": ("v4.1-interleaved", (4,))}
+
+
+def make_model(device="cpu", kv_format="v4", fp4_ratios=()) -> DeepseekV4Model:
+    cache = CacheConfig(max_requests=4, max_seq_len=512, page_size=256, kv_format=kv_format, fp4_ratios=fp4_ratios)
+    return DeepseekV4Model(CFG, cache, seed=0, device=device)
 
 
 def run_generation(model, decode, device="cpu"):
@@ -45,9 +50,10 @@ def run_generation(model, decode, device="cpu"):
     return tokens, logits
 
 
+@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_step_is_one_graph_without_breaks(mode):
-    model = make_model()
+def test_step_is_one_graph_without_breaks(mode, kv_format):
+    model = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
     batch = Batch(prompts())
     inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
     with torch.no_grad():
@@ -80,10 +86,11 @@ def test_extend_in_chunks_equals_one_prefill():
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
-def test_compiled_decode_generates_what_eager_generates():
+@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
+def test_compiled_decode_generates_what_eager_generates(kv_format):
     """Inductor: the decode step calls the dsv4 ops, copies no cache, and generates the eager
-    tokens (logits within bf16 noise: Inductor reorders float32 reductions)."""
-    eager = make_model()
+    tokens (logits within bf16 noise: Inductor reorders float32 reductions), for every cache format."""
+    eager = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager)
 
@@ -122,13 +129,14 @@ def test_decode_batch_size_changes_recompile_at_most_once():
 
 
 @pytest.mark.cuda
-def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips():
+@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
+def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(kv_format):
     """``mode="reduce-overhead"`` decode records no cudagraph skip and, fed the eager run's tokens
     (teacher forcing: free-running greedy decoding can flip on a near-tie of two logits), gives
-    the eager logits at every step."""
+    the eager logits at every step, for every cache format."""
     from torch._dynamo.utils import counters
 
-    eager = make_model("cuda")
+    eager = make_model("cuda", *FORMATS.get(kv_format, ("v4", ())))
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager, "cuda")
     torch._dynamo.reset()

@@ -375,14 +375,17 @@ def test_decode_degenerate_shapes(device):
         assert not out.any() and torch.isposinf(lse).all()
 
 
+FORMAT_PAIRS = [dict(), dict(kv_format="v4.1-fp8-interleaved", extra_format="v4.1-fp4")]
+
+
 @pytest.mark.parametrize("byte", GARBAGE_BYTES, ids=hex)
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_reads_nothing_its_row_does_not_reference(device, n, byte, splits):
     """Garbage (NaN/Inf patterns) in every unreferenced cache byte changes no output bit, split
-    or not."""
+    (V4.1 caches) or not (V4)."""
     splits(n)
-    args = decode_args_around_garbage(heads=16, device=device, width=64)
+    args = decode_args_around_garbage(heads=16, device=device, width=64, **FORMAT_PAIRS[n - 1])
     assert planned_splits(args) == n
     clean = ta.flash_mla_with_kvcache(*args)
     dirty = ta.flash_mla_with_kvcache(*poisoned_decode_args(args, byte))

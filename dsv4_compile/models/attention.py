@@ -6,7 +6,8 @@ revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``:
 1. ``q_lora = RMSNorm(wq_a x)``; ``q = wq_b q_lora`` ``[T, H, D]``; per-head unweighted RMSNorm,
    then RoPE on dims 448..511 at the token position.
 2. ``kv = wkv x`` ``[T, D]`` -> ``dsv4::fused_k_norm_rope_flashmla`` (``kv_norm`` weight) into the
-   window cache at ``swa_slots``.
+   window cache at ``swa_slots``, in the cache format of :class:`~.config.CacheConfig` (V4, or
+   V4.1 with FP8 or FP4 compressed caches).
 3. ``compress_ratio > 0``: the :class:`~.compressor.Compressor` pools the blocks completing in this
    step into the compressed cache through the same store op (float32 latent, float32 ``norm``
    weight, RoPE at the block's first position; page size ``page_size / ratio``). Ratio 4: the
@@ -59,6 +60,8 @@ class DeepseekV4Attention(nn.Module):
         self.heads, self.groups = config.num_attention_heads, config.o_groups
         self.o_lora_rank, self.eps = config.o_lora_rank, config.rms_norm_eps
         self.page_size = cache.page_size
+        self.kv_format = cache.cache_format(0)  # the window cache
+        self.compressed_format = cache.cache_format(compress_ratio) if compress_ratio else None
         self.softmax_scale = layout.HEAD_DIM**-0.5
         hidden, d = config.hidden_size, layout.HEAD_DIM
         linear = dict(bias=False, device=device, dtype=dtype)
@@ -75,16 +78,18 @@ class DeepseekV4Attention(nn.Module):
         # one table per (config, layer kind, device), shared by the layers of that kind
         freqs = layer_rope_table(config, compress_ratio, device)
         self.register_buffer("freqs", freqs, persistent=False)
-        self.register_buffer("swa_cache", layout.alloc_cache(cache.num_pages, cache.page_size, device))
+        self.register_buffer(
+            "swa_cache", layout.alloc_cache(cache.num_pages, cache.page_size, device, kv_format=self.kv_format)
+        )
         self.compressor = self.indexer = None
         if compress_ratio:
             self.compressed_page_size = cache.compressed_page_size(compress_ratio)
             self.compressor = Compressor(
                 hidden, d, compress_ratio, max_requests=cache.max_requests, device=device, dtype=dtype
             )
-            self.register_buffer(
-                "compressed_cache", layout.alloc_cache(cache.num_pages, self.compressed_page_size, device)
-            )
+            self.register_buffer("compressed_cache", layout.alloc_cache(
+                cache.num_pages, self.compressed_page_size, device, kv_format=self.compressed_format,
+            ))
         if compress_ratio == 4:
             self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype)
 
@@ -96,7 +101,7 @@ class DeepseekV4Attention(nn.Module):
         q = rope_last(rms_norm(q, None, self.eps), self.freqs, positions).to(x.dtype)
         ops.fused_k_norm_rope_flashmla(
             self.wkv(x), self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
-            self.swa_cache, self.eps, self.page_size,
+            self.swa_cache, self.eps, self.page_size, self.kv_format,
         )
 
         blocks = None
@@ -107,7 +112,7 @@ class DeepseekV4Attention(nn.Module):
             remember.append((self.compressor, plan, tokens))
             ops.fused_k_norm_rope_flashmla(
                 latent, self.compressor.norm_weight, self.freqs, plan.emit_pos, plan.emit_slot,
-                self.compressed_cache, self.eps, self.compressed_page_size,
+                self.compressed_cache, self.eps, self.compressed_page_size, self.compressed_format,
             )
             if self.indexer is not None:
                 blocks, tokens = self.indexer(x, q_lora, meta)
@@ -127,7 +132,8 @@ class DeepseekV4Attention(nn.Module):
         return out
 
     def _decode(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
-        extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None)
+        extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None,
+                     extra_kv_format=None)
         if blocks is not None:
             plan = meta.plans[self.compress_ratio]
             slots = torch.gather(plan.block_slots, 1, blocks.clamp_min(0))
@@ -136,6 +142,7 @@ class DeepseekV4Attention(nn.Module):
                 extra_page_size=self.compressed_page_size,
                 extra_indices=torch.where(blocks >= 0, slots, -1).int().unsqueeze(1),
                 extra_topk_length=torch.clamp(plan.lengths, max=blocks.shape[1]).int(),
+                extra_kv_format=self.compressed_format,
             )
         q = q.unsqueeze(1)  # one query row per token: [T, 1, H, D]
         metadata, splits = meta.scheduler(
@@ -145,19 +152,21 @@ class DeepseekV4Attention(nn.Module):
         out, _ = ops.flash_mla_with_kvcache(
             q, self.swa_cache, self.page_size, meta.window_indices, meta.window_lengths,
             self.attn_sink, **extra, tile_scheduler_metadata=metadata, num_splits=splits,
-            softmax_scale=self.softmax_scale,
+            softmax_scale=self.softmax_scale, kv_format=self.kv_format,
         )
         return out.squeeze(1)
 
     def _prefill(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
-        workspace = layout.dequant_workspace(self.swa_cache, self.page_size, meta.window_workspace_slots)
+        workspace = layout.dequant_workspace(
+            self.swa_cache, self.page_size, meta.window_workspace_slots, self.kv_format
+        )
         indices = meta.window_indices
         if blocks is not None:
             plan = meta.plans[self.compress_ratio]
             base = workspace.shape[0] + meta.batch_index[:, None] * plan.block_slots.shape[1]
             rows = torch.where(blocks >= 0, base + blocks, -1).int().unsqueeze(1)
             compressed = layout.dequant_workspace(
-                self.compressed_cache, self.compressed_page_size, plan.workspace_slots
+                self.compressed_cache, self.compressed_page_size, plan.workspace_slots, self.compressed_format
             )
             workspace = torch.cat([workspace, compressed])
             indices = torch.cat([indices, rows], dim=-1)

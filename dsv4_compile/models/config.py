@@ -92,13 +92,26 @@ class CacheConfig:
     compressed tokens a page) and the c128 cache (``page_size / 128``): page ``p`` of a request holds
     its tokens ``[p*P, (p+1)*P)`` and the compressed blocks made of them, as SGLang's V4 pool does
     (P = 256: 64 c4 slots, 2 c128 slots a page).
+
+    ``kv_format``: the caches' format: ``"v4"`` (584-byte tokens), ``"v4.1"`` (528-byte FP8 tokens,
+    block-split pages, as SGLang stores them by default) or ``"v4.1-interleaved"`` (the arrangement
+    FlashMLA's current kernels read). ``fp4_ratios``: V4.1 only, the compression ratios whose
+    compressed cache is FP4 (288-byte tokens), as DSV4.1 does for its low-ratio layers.
     """
 
     max_requests: int = 4
     max_seq_len: int = 512
     page_size: int = 256
+    kv_format: str = "v4"
+    fp4_ratios: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.kv_format not in ("v4", "v4.1", "v4.1-interleaved"):
+            raise ValueError(f"kv_format must be 'v4', 'v4.1' or 'v4.1-interleaved', got {self.kv_format!r}")
+        if self.fp4_ratios and self.kv_format == "v4":
+            raise ValueError(f"fp4_ratios needs a V4.1 kv_format, got {self.kv_format!r}")
+        if any(r not in COMPRESS_RATIOS for r in self.fp4_ratios):
+            raise ValueError(f"fp4_ratios must be among {COMPRESS_RATIOS}, got {self.fp4_ratios}")
         if self.page_size % max(COMPRESS_RATIOS):
             raise ValueError(f"page_size must be a multiple of 128, got {self.page_size}")
         if self.max_seq_len % self.page_size:
@@ -113,6 +126,14 @@ class CacheConfig:
     @property
     def num_pages(self) -> int:
         return self.max_requests * self.pages_per_request
+
+    def cache_format(self, ratio: int) -> str:
+        """The ``kv_format`` (``layout.FORMATS``) of the window cache (``ratio`` 0) or of the
+        ratio-``ratio`` compressed cache."""
+        if self.kv_format == "v4":
+            return "v4"
+        values = "fp4" if ratio in self.fp4_ratios else "fp8"
+        return f"v4.1-{values}" + ("-interleaved" if self.kv_format.endswith("interleaved") else "")
 
     def compressed_page_size(self, ratio: int) -> int:
         """Compressed tokens per page of the ratio-``ratio`` cache (``page_size / ratio``)."""
