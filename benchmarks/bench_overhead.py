@@ -2,6 +2,7 @@
 
     python benchmarks/bench_overhead.py [--json out.json] [--plot out.png]   # on a CUDA machine
     python benchmarks/bench_overhead.py --quick                              # CPU smoke (CI)
+    python benchmarks/bench_overhead.py plot after.json out.png [before.json]  # a plot of saved runs
 
 Host time per call is the wall time of a long loop of non-blocking calls divided by the calls
 (median of 7 loops of 200 calls, synchronised once per loop): at these sizes the launches, not the
@@ -26,6 +27,7 @@ trampolines, without a GPU, so a regression of the per-call path shows up in CI.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -134,8 +136,11 @@ def cuda_raw_calls() -> dict:
             "wrapper": lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, SCALE, 512, sink, None, use_legacy=True),
         }
 
-    def store(*args):
+    def store(*args):  # the jitted kernel launched as is (Triton's own launcher)
         triton_store._triton()
+        if "kernels" in inspect.signature(triton_store._launch).parameters:
+            return {"raw_op": lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True)}
+        # the package before 0.2 (before/after tables): _launch(kernel, *args)
         return {"raw_op": lambda: triton_store._launch(triton_store._store_kernel, *args)}
 
     return {"decode": decode, "prefill": prefill, "store": store}
@@ -199,29 +204,46 @@ def main(argv=None) -> dict:
     return report
 
 
-def plot(report: dict, path: str) -> None:
-    """Bars per case: ours, and each raw call measured next to it."""
+def plot(report: dict, path: str, before: dict | None = None) -> None:
+    """Bars per case: ours (and ``before``'s ours, a report of an earlier version from the same
+    run), and each raw call measured next to it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    names = [k for k in ("ours_us", "raw_op_us", "wrapper_us") if any(k in r for r in rows)]
-    fig, ax = plt.subplots(figsize=(11, 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + i * width for j, r in enumerate(rows) if name in r]
-        ax.bar(xs, [r[name] for r in rows if name in r], width, label=name.removesuffix("_us"))
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['op'].replace('flash_mla_', '').replace('fused_k_norm_rope_flashmla', 'store')}\n{r['size']}"
-                        for r in rows], fontsize=8)
+    series = []
+    if before is not None:
+        series.append(("before", [r["ours_us"] for r in before["rows"]]))
+    series.append(("ours", [r["ours_us"] for r in rows]))
+    for name in ("raw_op_us", "wrapper_us"):
+        series.append((name.removesuffix("_us"), [r.get(name) for r in rows]))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        xs = [j + i * width for j, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width, label=label)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(rows))])
+    short = {"flash_mla_with_kvcache": "decode", "flash_mla_sparse_fwd": "prefill", "fused_k_norm_rope_flashmla": "store"}
+    ax.set_xticklabels([f"{short.get(r['op'], r['op'])}\n{r['size']}" for r in rows], fontsize=8)
     ax.set_ylabel("host µs per eager call")
-    ax.set_title(f"dsv4 eager call vs raw library ({report['device']}, torch {report['torch']})")
+    ax.set_ylim(0, 1.15 * max(v for _, values in series for v in values if v is not None and v < 200))
+    ax.set_title(f"dsv4 eager call vs the raw library ({report['device']}, torch {report['torch']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def main_plot(argv=None) -> None:
+    """``python bench_overhead.py plot AFTER.json OUT.png [BEFORE.json]``: the plot of saved reports."""
+    after, out = argv[0], argv[1]
+    before = json.load(open(argv[2])) if len(argv) > 2 else None
+    plot(json.load(open(after)), out, before)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["plot"]:
+        main_plot(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -3,21 +3,24 @@
 Two providers, tried in this order:
 
 * ``sgl_kernel`` — ``torch.ops.sgl_kernel.*`` from sgl-kernel / sglang-kernel
-  (``import sgl_kernel.flash_mla`` loads them); cubins for SM90 and SM100.
-* ``flashmla`` — ``torch.ops.flash_mla_legacy.*`` from sgl-flash-mla (``import flash_mla``). Its
-  *legacy* kernels are the ones that read the V4 584-byte layout (SM90, SM100); the current
-  ``torch.ops.flash_mla`` kernels read only the V4.1 layouts and are not used.
+  (``import sgl_kernel.flash_mla`` loads them); cubins for SM90 and SM100; V4 caches.
+* ``flashmla`` — from sgl-flash-mla (``import flash_mla``): its *legacy* kernels
+  (``torch.ops.flash_mla_legacy``, SM90 and SM100) read the V4 584-byte layout; its current kernels
+  (``torch.ops.flash_mla``, SM100 only) read the V4.1 interleaved caches (528-byte FP8 main, FP8 or
+  288-byte FP4 extra; the format told by the view's last dim).
 
-Both expose the same ``sparse_decode_fwd`` / ``sparse_prefill_fwd`` ops; we call them directly —
-our op *is* the wrapper, with no scheduler object and no per-call Python asserts. The adapters
-absorb every restriction of those kernels (docs/design.md §2.3, §6):
+What each serves is a declared rule (:data:`FLASHMLA_DECODE`, :data:`SGL_KERNEL_DECODE`); other
+calls go to the next provider. We call the ops directly — our op *is* the wrapper, with no
+scheduler object and no per-call Python asserts. The adapters absorb every restriction of those
+kernels (docs/design.md §2.3, §6):
 
 * heads: padded with zero queries to 64 or 128 (more than 128: groups of 128), outputs sliced;
 * index widths: padded with ``-1`` to a multiple of 64 (decode) / 128 (prefill);
-* the cache: the 4-D ``float8_e4m3fn [num_pages, P, 1, 584]`` view is built here from the base
-  uint8 tensor, page stride kept;
+* the cache: the 4-D ``float8_e4m3fn [num_pages, P, 1, token_bytes]`` view is built from the base
+  uint8 tensor (once per cache tensor), page stride kept;
 * statistics: always natural log, always three prefill outputs;
-* scheduler metadata: plain tensors (see :func:`_metadata`), or computed inside the call.
+* scheduler metadata: plain tensors (see :meth:`FlashMLAKernels.get_mla_metadata`), or computed
+  inside the call (always for V4.1 caches: the metadata op schedules for the V4 kernels).
 
 Everything is sized from shapes: no host sync, capture-safe, unless checked mode is on.
 """

@@ -5,18 +5,20 @@ bf16 with fp32 accumulation, no fp8 dtype, no architecture-specific instruction.
 contract's (docs/design.md §2.3, §2.4) for every head count, page size, page stride, index width and
 length; the kernels take the ops' arguments in schema order and return the fakes' geometry.
 
-**Decode** (over the paged V4 FP8 caches, layout §2.2). A program handles one query row
+**Decode** (over the paged caches of every format: V4, layout §2.2; V4.1 FP8 / FP4, block-split
+or interleaved, §2.5; the main and the extra cache each in its own format). A program handles one query row
 (``b, s``), a block of ``BLOCK_H`` heads and one *split* of that row's keys. MQA: all heads attend
 the same keys, so a program gathers and dequantizes a block of ``BLOCK_N`` keys once and multiplies
 it with all its heads (``[BLOCK_H, 512] x [512, BLOCK_N]``, then ``P [BLOCK_H, BLOCK_N] x K``).
 The keys a row counts -- main entries ``j < min(topk_length, K)``, then extra entries
-``j < min(extra_topk_length, K2)``, ``-1`` holes masked -- form one virtual list walked by one loop
-(a key block may hold keys of both caches, each with its own page size and stride), cut into
-``num_splits`` equal chunks of whole key blocks. The lengths are read in-kernel, so the chunks
+``j < min(extra_topk_length, K2)``, ``-1`` holes masked -- form one virtual list, cut into
+``num_splits`` equal chunks of whole key blocks; a split walks its part of the main entries, then
+its part of the extra ones (each cache with its own page size, stride and format). The lengths are read in-kernel, so the chunks
 balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
 one split per key block), so nothing is read on the host and launches are capture-safe.
 
-Keys are dequantized in registers, exactly (an fp8 value times a power of two is a bf16 value):
+Keys are dequantized in registers, exactly (V4.1: an e4m3 value times its UE8M0 scale, or an
+e2m1 value times its e4m3 scale, is a bf16 value; V4 as follows)::
 
     dims 0..447    e4m3fn byte c -> fp16 bits (c & 0x80) << 8 | (c & 0x7F) << 7 (= value * 2^-8,
                    subnormals included), to fp32, times 2^(e - 127 + 8) built from the tile's

@@ -224,8 +224,10 @@ def _v41_bytes(values, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.const
     if FP4:
         codes, scales = _v41_fp4(values, WIDTH, BLOCK_T)
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, WIDTH // 2, 2)))
-        return lo | (hi << 4), scales
-    return _v41_fp8(values, WIDTH, BLOCK_T)
+        data = lo | (hi << 4)
+    else:
+        data, scales = _v41_fp8(values, WIDTH, BLOCK_T)
+    return data, scales
 
 
 def _store_v41_kernel(
