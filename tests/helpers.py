@@ -182,3 +182,15 @@ def poisoned_prefill_args(args: list, byte: int) -> list:
     garbage = torch.full_like(kv.view(torch.uint8), byte).view(kv.dtype)
     args[1] = torch.where(keep[:, None, None], kv, garbage)
     return args
+
+
+def assert_garbage_is_invisible(run, heads: int, byte: int) -> None:
+    """Decode and prefill through ``run(op_name, *args)`` over memory whose unreferenced bytes are
+    ``byte`` give the outputs over clean memory bit for bit (and those are finite)."""
+    for op, build, poison in (("flash_mla_with_kvcache", decode_args_around_garbage, poisoned_decode_args),
+                              ("flash_mla_sparse_fwd", prefill_args_around_garbage, poisoned_prefill_args)):
+        args = build(heads=heads)
+        clean = run(op, *args)
+        dirty = run(op, *poison(args, byte))
+        assert clean[0].isfinite().all(), op
+        assert all(torch.equal(a, b) for a, b in zip(clean, dirty)), op

@@ -143,6 +143,8 @@ def _store_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr,
 ):
     """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store."""
+    # (the token rows are read here, not in a helper: torch's analysis of which pointers a Triton
+    # kernel mutates counts a pointer passed to a helper that returns loaded values as written)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
     slot = tl.load(out_loc_ptr + t * out_loc_stride, mask=t < num_tokens, other=-1).to(tl.int64)
     live = slot >= 0  # negative slots (and rows past the end) write nothing
