@@ -364,15 +364,17 @@ def check_decode_data(
 def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
     c = _PREFILL
     c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
-    c.tensor("q", q, _BF16, (None, None, layout.HEAD_DIM))
-    s_q, heads = q.shape[:2]
-    c.tensor("kv", kv, _BF16, (None, 1, layout.HEAD_DIM))
+    c.tensor("q", q, _BF16, (None, None, None))
+    s_q, heads, d_qk = q.shape
+    if d_qk not in layout.PREFILL_QK_DIMS:
+        c.fail("q", f"bfloat16 [s_q, H, d_qk] with d_qk in {layout.PREFILL_QK_DIMS}", q)
+    c.tensor("kv", kv, _BF16, (None, 1, d_qk))
     c.tensor("indices", indices, _I32, (s_q, 1, None))
     c.width("indices", indices)
     c.optional("attn_sink", attn_sink, _F32, (heads,))
     c.optional("topk_length", topk_length, _I32, (s_q,))
     if d_v != layout.HEAD_DIM:
-        c.fail("d_v", f"{layout.HEAD_DIM} (V is the full key)", d_v)
+        c.fail("d_v", f"{layout.HEAD_DIM} (V is the key's first 512 dims)", d_v)
     if type(sm_scale) is not float:
         c.fail("sm_scale", "a float", sm_scale, TypeError)
     return s_q, heads

@@ -49,6 +49,9 @@ DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576: fp8 values then bf16 RoPE values (V
 SCALE_BYTES = NUM_TILES + 1  # 8: 7 exponents then one pad byte (V4)
 TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584 (V4)
 PAGE_ALIGN = DATA_BYTES  # canonical V4 page strides are multiples of 576
+#: ``d_qk`` the sparse prefill takes: 512 (DSV4: V is the whole key) and 576 (the V3.2 sparse MLA
+#: shape: 512 latent + 64 RoPE dims; V is the first 512).
+PREFILL_QK_DIMS = (HEAD_DIM, HEAD_DIM + ROPE_DIM)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_MIN = 1e-4  # V4: amax floor before the scale is computed; V4.1 FP8: floor of amax / 448
 UE8M0_BIAS = 127

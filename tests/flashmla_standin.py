@@ -124,7 +124,7 @@ def _prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     CALLS.append(("prefill", dict(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)))
     s_q, heads, d_qk = q.shape
     assert s_q > 0 and kv.shape[0] > 0, "FlashMLA refuses empty launches"
-    assert q.dtype == kv.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
+    assert q.dtype == kv.dtype == torch.bfloat16 and d_qk in (512, 576) and kv.shape[-1] == d_qk and d_v == 512
     assert heads in (64, 128), f"Unsupported h_q: {heads}"
     assert kv.dim() == 3 and kv.shape[1] == 1
     assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1)

@@ -81,15 +81,15 @@ def decode_cache_token(cache: torch.Tensor, page_size: int, slot: int) -> list[f
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, scale: float, sink: torch.Tensor | None):
-    """float64 attention of ``q [H, 512]`` over ``keys [n, 512]`` (V = K) with an optional sink [H].
+    """float64 attention of ``q [H, d]`` over ``keys [n, d]`` (V = K) with an optional sink [H].
 
-    Returns ``out [H, 512]``, ``lse [H]`` (sink excluded), ``max_logit [H]``; an empty key set gives
+    Returns ``out [H, d]``, ``lse [H]`` (sink excluded), ``max_logit [H]``; an empty key set gives
     ``(0, +inf, -inf)``. ``out = sum_j e^{s_j} K_j / (sum_j e^{s_j} + e^{sink})``.
     """
     q, keys = q.double(), keys.double()
     heads = q.shape[0]
     if keys.shape[0] == 0:
-        return (torch.zeros(heads, D, dtype=torch.float64),
+        return (torch.zeros(heads, keys.shape[1], dtype=torch.float64),
                 torch.full((heads,), math.inf, dtype=torch.float64),
                 torch.full((heads,), -math.inf, dtype=torch.float64))
     s = scale * (q @ keys.T)  # [H, n]

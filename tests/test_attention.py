@@ -233,15 +233,15 @@ def test_prefill_empty_batches(s_q, s_kv, width, compiled):
     assert not out.any() and torch.isposinf(lse).all() and torch.isneginf(mx).all()
 
 
-def expected_prefill(q, kv, indices, lengths, scale, sink_vals):
+def expected_prefill(q, kv, indices, lengths, scale, sink_vals, d=512):
     s_q, heads, _ = q.shape
-    out = torch.zeros(s_q, heads, 512, dtype=torch.float64)
+    out = torch.zeros(s_q, heads, d, dtype=torch.float64)
     lse = torch.zeros(s_q, heads, dtype=torch.float64)
     mx = torch.zeros(s_q, heads, dtype=torch.float64)
     for s in range(s_q):
         n = indices.shape[-1] if lengths is None else int(lengths[s])
         keys = [kv[int(i), 0].double() for i in indices[s, 0, :n] if 0 <= int(i) < kv.shape[0]]
-        keys = torch.stack(keys) if keys else torch.zeros(0, 512, dtype=torch.float64)
+        keys = torch.stack(keys) if keys else torch.zeros(0, d, dtype=torch.float64)
         out[s], lse[s], mx[s] = attend(q[s].double(), keys, scale, sink_vals)
     return out, mx, lse
 
@@ -264,6 +264,24 @@ def test_prefill_matches_float64(heads, sink_kind, with_lengths):
     close("max_logits", mx, want[1])
     close("lse", lse, want[2])
     assert torch.isposinf(lse[-1]).all() and torch.isneginf(mx[-1]).all() and not out[-1].any()
+
+
+@pytest.mark.parametrize("heads", [64, 5])
+def test_prefill_with_576_dim_keys_matches_float64(heads):
+    """The V3.2 shape: q and kv carry 512 latent + 64 RoPE dims; scores over all 576, V = the
+    first 512."""
+    s_q, s_kv, width = 4, 20, 12
+    q = torch.randn(s_q, heads, 576, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 576, dtype=torch.bfloat16)
+    indices = torch.randint(-2, s_kv + 3, (s_q, 1, width), dtype=torch.int32)
+    lengths = torch.tensor([12, 5, 0, 9], dtype=torch.int32)
+    sink_vals = torch.randn(heads)
+    out, mx, lse = call(PREFILL, q, kv, indices, 0.05, 512, sink_vals, lengths)
+    want_out, want_mx, want_lse = expected_prefill(q, kv, indices, lengths, 0.05, sink_vals, d=576)
+    assert out.shape == (s_q, heads, 512)
+    close("out", out, want_out[..., :512], kv.abs().max().item())
+    close("max_logits", mx, want_mx)
+    close("lse", lse, want_lse)
 
 
 def test_prefill_wrapper_defaults():

@@ -302,3 +302,16 @@ def test_v41_calls_flashmla_cannot_serve_go_to_the_next_provider(monkeypatch, ca
         assert dispatch.provider_chain("cuda:0")["flash_mla_with_kvcache"][0][0] == "flashmla"
     finally:
         dispatch.reset()
+
+
+@pytest.mark.parametrize("heads", [64, 8])
+def test_prefill_with_576_dim_keys(provider, heads):
+    """The V3.2 shape reaches FlashMLA as it is (q, kv with 576 dims; V the first 512)."""
+    s_q, s_kv = 4, 30
+    args = (torch.randn(s_q, heads, 576, dtype=torch.bfloat16), torch.randn(s_kv, 1, 576, dtype=torch.bfloat16),
+            torch.randint(-1, s_kv, (s_q, 1, 20), dtype=torch.int32), 0.05, 512, torch.randn(heads), None)
+    got = on_cuda("flash_mla_sparse_fwd", *args)
+    want = reference.flash_mla_sparse_fwd(*args)
+    assert standin.CALLS[-1][1]["q"].shape[-1] == 576 and got[0].shape == (s_q, heads, 512)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)

@@ -24,6 +24,7 @@ PREFILL_CASES = {
     f"H{heads}-sink{sink_kind}-len{int(lengths)}": (heads, sink_kind, lengths)
     for heads, sink_kind, lengths in itertools.product((64, 128), ("random", "+inf", "none"), (False, True))
 }
+PREFILL_CASES.update({f"H{heads}-d576": (heads, "random", True, 576) for heads in (64, 128)})
 
 STORE_CASES = {
     f"P{p}-pad{int(padded)}-{dtype}-{index_dtype}": (p, padded, dtype, index_dtype)
@@ -53,10 +54,10 @@ def decode_sample(heads, s_q, extra, sink_kind, lengths):
     return (q, cache, page_size, idx, ln, sink(sink_kind, heads), ecache, 2, eidx, eln, None, None, 0.04, 512)
 
 
-def prefill_sample(heads, sink_kind, lengths):
+def prefill_sample(heads, sink_kind, lengths, d_qk=512):
     s_q, s_kv = 5, 12
-    q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16)
-    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16)
+    q = torch.randn(s_q, heads, d_qk, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk, dtype=torch.bfloat16)
     idx = torch.randint(-2, s_kv + 3, (s_q, 1, 8), dtype=torch.int32)  # -1/-2 and >= s_kv included
     ln = torch.randint(0, 9, (s_q,), dtype=torch.int32) if lengths else None
     return (q, kv, idx, 0.05, 512, sink(sink_kind, heads), ln)
@@ -104,4 +105,4 @@ def test_metadata(case):
 
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
-    assert [len(c) for c in (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES)] == [64, 12, 9, 2]
+    assert [len(c) for c in (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES)] == [64, 14, 9, 2]

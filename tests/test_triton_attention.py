@@ -215,10 +215,10 @@ def check_decode(args, **case):
     return out, lse
 
 
-def prefill_case(device, *, s_q=6, heads=64, s_kv=50, width=40, lengths=True, sink="random"):
+def prefill_case(device, *, s_q=6, heads=64, s_kv=50, width=40, lengths=True, sink="random", d_qk=512):
     """Prefill arguments with holes ``-1``, other negatives and indices ``>= s_kv``; query 0 empty."""
-    q = torch.randn(s_q, heads, layout.HEAD_DIM).to(device, torch.bfloat16)
-    kv = (torch.randn(s_kv, 1, layout.HEAD_DIM) * 3).to(device, torch.bfloat16)
+    q = torch.randn(s_q, heads, d_qk).to(device, torch.bfloat16)
+    kv = (torch.randn(s_kv, 1, d_qk) * 3).to(device, torch.bfloat16)
     idx = torch.randint(-3, s_kv + 4, (s_q, 1, width), dtype=torch.int32)
     idx[:1] = torch.tensor([-1, s_kv])[torch.arange(width) % 2]
     topk_length = None
@@ -412,6 +412,8 @@ PREFILL_CASES = {
     "h5-nolen-sink+inf": dict(heads=5, lengths=False, sink="+inf"),
     "h5-len-sink-inf": dict(heads=5, sink="-inf"),
     "h64-nosink-width70": dict(lengths=False, sink="none", width=70),
+    "h64-d576": dict(d_qk=576),
+    "h5-d576-nolen": dict(d_qk=576, heads=5, lengths=False),
 }
 
 

@@ -131,11 +131,11 @@ def decode_args(heads, s_q, extra, lengths_and_sink, batch=2, width=24, extra_wi
     ]
 
 
-def prefill_args(heads, lengths_and_sink, s_q=5, s_kv=40, width=16, seed=0):
+def prefill_args(heads, lengths_and_sink, s_q=5, s_kv=40, width=16, seed=0, d_qk=layout.HEAD_DIM):
     """Schema-ordered arguments of ``dsv4.flash_mla_sparse_fwd``; some indices are ``>= s_kv``."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(s_q, heads, layout.HEAD_DIM, generator=g).bfloat16()
-    kv = torch.randn(s_kv, 1, layout.HEAD_DIM, generator=g).bfloat16()
+    q = torch.randn(s_q, heads, d_qk, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, generator=g).bfloat16()
     indices = torch.randint(-1, s_kv + 8, (s_q, 1, width), generator=g, dtype=torch.int32)
     attn_sink = topk_length = None
     if lengths_and_sink:
@@ -371,10 +371,11 @@ def test_empty_decode_batches_launch_nothing(standin, batch, s_q):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("d_qk", [512, 576])
 @pytest.mark.parametrize("heads", [64, 12], ids=lambda h: f"H{h}")
 @pytest.mark.parametrize("lengths_and_sink", [False, True], ids=["all", "lengths+sink"])
-def test_prefill_equals_reference_with_three_outputs(standin, heads, lengths_and_sink):
-    args = prefill_args(heads, lengths_and_sink)
+def test_prefill_equals_reference_with_three_outputs(standin, heads, lengths_and_sink, d_qk):
+    args = prefill_args(heads, lengths_and_sink, d_qk=d_qk)
     result = on_xpu("flash_mla_sparse_fwd", *args)
     only_call(standin, "flash_mla_sparse_fwd")  # served by sgl-kernel-xpu, not a fallback
     expected = padded_reference("flash_mla_sparse_fwd", args)

@@ -190,7 +190,7 @@ def quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4"):
 def sparse_attention(
     q: torch.Tensor, key_blocks, scale: float, attn_sink: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of ``q [n, H, D]`` over per-row keys (V = K), given in blocks.
+    """Attention of ``q [n, H, D]`` over per-row keys (V: a key's first 512 dims), given in blocks.
 
     ``key_blocks`` yields ``(keys [n, k, D], valid [n, k])``: a row's keys are the valid entries of
     all its blocks. ``s_j = scale * <q, K_j>``; ``lse = ln sum_j e^{s_j}`` (sink excluded, ``+inf``
@@ -205,7 +205,7 @@ def sparse_attention(
     q = q.float()
     m = q.new_full((n, heads), -math.inf)
     l = q.new_zeros(n, heads)
-    acc = q.new_zeros(n, heads, q.shape[-1])
+    acc = q.new_zeros(n, heads, layout.HEAD_DIM)
     for keys, valid in key_blocks:
         if keys.shape[1] == 0:
             continue
@@ -217,7 +217,7 @@ def sparse_attention(
         alpha = torch.exp(m - ref)
         p = torch.exp(scores - ref[..., None])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("nhk,nkd->nhd", p, keys)
+        acc = acc * alpha[..., None] + torch.einsum("nhk,nkd->nhd", p, keys[..., : layout.HEAD_DIM])
         m = m_new
     empty = l == 0
     lse = torch.where(empty, math.inf, m + torch.log(l))
@@ -306,7 +306,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
         return out, max_logits, lse
     idx = indices[:, 0, :]  # [s_q, K]; one KV head
     s_kv = kv.shape[0]
-    kv_rows = kv[:, 0, :] if s_kv > 0 else kv.new_zeros(1, kv.shape[-1])
+    kv_rows = kv[:, 0, :] if s_kv > 0 else kv.new_zeros(1, kv.shape[-1])  # d_qk 512 or 576
 
     def blocks(rows: slice, keys: int):
         """Blocks of ``keys`` columns; an entry counts iff ``0 <= idx < s_kv`` and ``j < length``."""

@@ -33,7 +33,8 @@ log-sum-exp to an fp32 workspace ``[rows, splits, H, 512]`` and a combine kernel
 applies the sink: ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i *
 sigmoid(lse - sink)``; an empty row gives ``out = 0``, ``lse = +inf``.
 
-**Prefill** (over a bf16 workspace ``kv [s_kv, 1, 512]``): one program per (query, head block),
+**Prefill** (over a bf16 workspace ``kv [s_kv, 1, d_qk]``, ``d_qk`` 512, or 576 for the V3.2 shape
+whose last 64 dims enter the scores only): one program per (query, head block),
 the same online-softmax loop over ``BLOCK_N`` gathered rows of ``kv`` (indices ``< 0`` or
 ``>= s_kv`` are holes), no split (prefill has queries enough to fill the GPU).
 
@@ -422,14 +423,19 @@ def _prefill_kernel(
     q_ptr, q_ss, q_sh, q_sd, kv_ptr, kv_s, kv_sd, s_kv, idx_ptr, idx_ss, idx_sj, width,
     len_ptr, len_s, sink_ptr, sink_stride, out_ptr, max_logits_ptr, lse_ptr, heads, scale_log2,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROPE_QK: tl.constexpr,
 ):
-    """Program (query, head block) over the query's counted indices into ``kv``."""
+    """Program (query, head block) over the query's counted indices into ``kv``. ``ROPE_QK``: the
+    V3.2 shape, ``d_qk = 576``: 64 more dims (512..575) enter the scores, not the output."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < heads
     d = tl.arange(0, _D)
     q = tl.load(q_ptr + s * q_ss + h[:, None] * q_sh + d[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    r = _D + tl.arange(0, _ROPE)
+    if ROPE_QK:
+        q_rope = tl.load(q_ptr + s * q_ss + h[:, None] * q_sh + r[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
     n = width
     if HAS_LEN:
         n = tl.minimum(tl.maximum(tl.load(len_ptr + s * len_s), 0), width)
@@ -442,7 +448,11 @@ def _prefill_kernel(
         valid = (t >= 0) & (t < s_kv)
         t = tl.where(valid, t, 0).to(tl.int64)
         k = tl.load(kv_ptr + t[:, None] * kv_s + d[None, :] * kv_sd, mask=valid[:, None], other=0.0)
-        p, alpha, m, l = _online_softmax(tl.dot(q, tl.trans(k)), valid, m, l, scale_log2)
+        scores = tl.dot(q, tl.trans(k))
+        if ROPE_QK:
+            k_rope = tl.load(kv_ptr + t[:, None] * kv_s + r[None, :] * kv_sd, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores)
+        p, alpha, m, l = _online_softmax(scores, valid, m, l, scale_log2)
         acc = tl.dot(p, k, acc * alpha[:, None])
     lse2, inv_l = _lse2_and_inverse(m, l)
     at = s * heads + h
@@ -586,7 +596,8 @@ def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
         indices, indices.stride(0), indices.stride(2), indices.shape[-1], length, length.stride(0),
         sink, sink.stride(0), out, max_logits, lse, heads, sm_scale * LOG2E,
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
-        BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, ROPE_QK=q.shape[-1] != layout.HEAD_DIM,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, max_logits, lse
 
