@@ -5,7 +5,7 @@ DSV4 attention traces into one ``torch.compile`` graph and the dispatcher picks 
 """
 
 from . import kernels as _kernels  # noqa: F401  (registers the providers)
-from . import layout, ops
+from . import compat, layout, ops
 from .checks import checked, checked_mode
 from .dispatch import ProviderUnavailable, providers, use_provider
 from .layout import FORMATS, alloc_cache, dequant_workspace, flashmla_view, gather_dequant, page_bytes
@@ -24,6 +24,7 @@ __all__ = [
     "ProviderUnavailable",
     "alloc_cache",
     "checked",
+    "compat",
     "checked_mode",
     "dequant_workspace",
     "flash_mla_sparse_fwd",

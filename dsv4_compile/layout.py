@@ -190,17 +190,53 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
 
 def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
     """The view FlashMLA's kernels read: ``float8_e4m3fn [num_pages, P, 1, token_bytes]``, page
-    stride kept (``v4``: 584; ``v4.1-*-interleaved``: 528 / 288).
+    stride kept (584 for ``v4``; 528 / 288 for V4.1 FP8 / FP4).
 
-    In the V4 view only the page stride and the 584 bytes per token are meaningful (the data and
-    scale regions are not interleaved per token: the kernels compute their addresses); the V4.1
-    interleaved view is each token's bytes. Block-split V4.1 caches have no such view.
+    For block-split formats (V4, and V4.1 as FlashMLA's legacy kernels read it) only the page
+    stride and the bytes per token are meaningful in it: the data and scale regions are not
+    interleaved per token, the kernels compute their addresses. The interleaved V4.1 view is each
+    token's bytes.
     """
     fmt = cache_format(kv_format)
-    if not (fmt.is_v4 or fmt.interleaved):
-        raise ValueError(f"flashmla_view: {fmt.name} caches have no FlashMLA view (block-split V4.1)")
     num_pages, token = kvcache.shape[0], fmt.token_bytes
     return kvcache[:, : page_size * token].view(torch.float8_e4m3fn).view(num_pages, page_size, 1, token)
+
+
+#: Bytes per token of FlashMLA-style 4-D cache views, and the format family they hold.
+VIEW_TOKEN_BYTES = {TOKEN_BYTES: "v4", V41_FP8.token_bytes: "v4.1-fp8", V41_FP4.token_bytes: "v4.1-fp4"}
+
+
+def cache_from_view(view: torch.Tensor, arg: str = "k_cache") -> tuple[torch.Tensor, int, int]:
+    """The base cache a FlashMLA-style view ``[num_pages, P, 1, token_bytes]`` (float8_e4m3fn,
+    uint8 or int8; ``token_bytes`` 584, 528 or 288) reads, without a copy: ``(uint8 [num_pages,
+    page_stride], P, token_bytes)``, the page stride kept. Raises ``ValueError`` (naming ``arg``)
+    when the view's geometry cannot be a base cache: another rank or dtype, tokens not packed
+    (``stride(1) != token_bytes``), pages overlapping, or the last page's stride running past the
+    storage."""
+    def fail(expected, got):
+        raise ValueError(f"{arg} must be {expected}, got {got}")
+
+    if not isinstance(view, torch.Tensor) or view.dim() != 4 or view.dtype not in (
+        torch.float8_e4m3fn, torch.uint8, torch.int8
+    ):
+        fail("a FlashMLA cache view float8_e4m3fn/uint8/int8 [num_pages, page_size, 1, token_bytes]",
+             view if not isinstance(view, torch.Tensor) else f"{str(view.dtype).removeprefix('torch.')} {list(view.shape)}")
+    num_pages, page_size, heads, token = view.shape
+    if heads != 1 or token not in VIEW_TOKEN_BYTES:
+        fail(f"[num_pages, page_size, 1, token_bytes] with token_bytes in {list(VIEW_TOKEN_BYTES)}", list(view.shape))
+    stride = view.stride(0)
+    if view.stride(3) != 1 or view.stride(1) != token or stride < page_size * token:
+        fail(f"tokens packed (strides (>= {page_size * token}, {token}, *, 1)) to be a base cache without a copy",
+             f"strides {tuple(view.stride())}")
+    # (eager only: Dynamo cannot trace storage queries; a traced view was checked by its eager calls)
+    if not torch.compiler.is_compiling() and (
+        (view.storage_offset() + num_pages * stride) * view.element_size() > view.untyped_storage().nbytes()
+    ):
+        fail("pages whose stride stays inside the storage (the last page's padding too) to be a base "
+             "cache without a copy", f"{num_pages} pages of {stride} bytes from offset {view.storage_offset()} "
+             f"in a {view.untyped_storage().nbytes()}-byte storage")
+    base = view.view(torch.uint8).as_strided((num_pages, stride), (stride, 1))
+    return base, page_size, token
 
 
 def _ue8m0_to_float(exponent_bytes: torch.Tensor) -> torch.Tensor:
