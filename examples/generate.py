@@ -30,7 +30,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, generate, tiny_config
-from dsv4_compile.models.model import Batch
+from dsv4_compile.generation import Batch
 
 PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
 #: --kv-format: (CacheConfig.kv_format, CacheConfig.fp4_ratios)

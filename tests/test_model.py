@@ -10,6 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._inductor.utils import run_and_get_code
 
+from dsv4_compile.generation import Batch
 from dsv4_compile.models import (
     CacheConfig,
     DeepseekV4Model,
@@ -19,7 +20,6 @@ from dsv4_compile.models import (
     step_inputs,
     tiny_config,
 )
-from dsv4_compile.models.model import Batch
 from test_block import assert_no_cache_copy
 
 CFG = tiny_config(sliding_window=32)

@@ -6,7 +6,9 @@
 ``compressor``  gated softmax pooling of ratio-4 (overlapping) / ratio-128 blocks
 ``indexer``     the lightning indexer of ratio-4 layers (top-k compressed blocks)
 ``attention``   ``DeepseekV4Attention``: one layer, ``compress_ratio`` in {0, 4, 128}
-``model``       a small multi-layer model with random weights, and greedy generation
+``model``       a small multi-layer model with random weights
+
+Step inputs and greedy generation (re-exported here) are in :mod:`dsv4_compile.generation`.
 """
 
 from .attention import DeepseekV4Attention
@@ -14,7 +16,8 @@ from .compressor import Compressor
 from .config import CacheConfig, DeepseekV4Config, tiny_config
 from .indexer import Indexer
 from .metadata import CompressPlan, StepMetadata, build_step_metadata
-from .model import DeepseekV4Model, decode_inputs, generate, prefill_inputs, step_inputs
+from ..generation import decode_inputs, generate, prefill_inputs, step_inputs
+from .model import DeepseekV4Model
 from .rope import apply_rope, layer_rope_table, rope_table
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""A small DSV4 language model around :class:`DeepseekV4Attention`, and a greedy generation loop.
+"""A small DSV4 language model around :class:`DeepseekV4Attention`.
 
 Not DSV4's full decoder: it has the DSV4 attention block of each layer kind, pre-norm residual
 layers with an optional small SwiGLU MLP (DSV4's MoE and hyper-connections are out of scope), an
@@ -8,13 +8,11 @@ steps through the ``dsv4`` ops, eagerly and under ``torch.compile``.
 A step is ``model(input_ids, positions, batch_index, seq_lens, req_slots, mode=...)``: the step
 metadata is built inside ``forward`` (once, shared by every layer), so one ``torch.compile`` of the
 model captures the whole step in one graph. It returns the float32 logits of each batch row's last
-token ``[B, vocab]``. Requests own fixed rows of the page table (``req_slots``).
+token ``[B, vocab]``. Requests own fixed rows of the page table (``req_slots``). Step inputs and
+greedy generation are in :mod:`dsv4_compile.generation`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -108,17 +106,22 @@ class DeepseekV4Model(nn.Module):
             h = layer(h, meta)
         return self.lm_head(self.norm(h[meta.last_rows])).float()
 
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a step mutates, by qualified name: every cache, compressor state and
+        indexer key buffer. They are the persistent buffers; constants (page table, RoPE tables,
+        Hadamard matrix) are registered non-persistent."""
+        return {
+            f"{prefix}{'.' if prefix else ''}{name}": buf
+            for prefix, module in self.named_modules()
+            for name, buf in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set
+        }
+
     @torch.no_grad()
     def reset_caches(self) -> None:
-        """Zero every cache, compressor state and indexer key buffer in place (addresses kept).
-
-        State buffers are the persistent ones; constants (page table, RoPE tables, Hadamard
-        matrix) are registered non-persistent.
-        """
-        for module in self.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if name not in module._non_persistent_buffers_set:
-                    buf.zero_()
+        """Zero every state buffer (:meth:`state_buffers`) in place (addresses kept)."""
+        for buf in self.state_buffers().values():
+            buf.zero_()
 
 
 @torch.no_grad()
@@ -138,72 +141,3 @@ def init_random_(module: nn.Module, seed: int) -> None:
         else:  # attn_sink
             value = torch.randn(p.shape, generator=gen)
         p.copy_(value.to(p.dtype))
-
-
-# --------------------------------------------------------------------------------------------
-# Generation: greedy, a batch of prompts of different lengths, prefill then decode steps.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Batch:
-    """Running requests: tokens so far; request ``i`` owns page-table row ``i``."""
-
-    tokens: list[list[int]]
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [len(t) for t in self.tokens]
-
-
-def step_inputs(chunks: Sequence[Sequence[int]], starts: Sequence[int], device) -> dict:
-    """Step inputs that feed batch row ``b`` the tokens ``chunks[b]`` at positions
-    ``starts[b], starts[b] + 1, ...`` (request ``b`` owns page-table row ``b``)."""
-
-    def as_tensor(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return dict(
-        input_ids=as_tensor([t for c in chunks for t in c]),
-        positions=as_tensor([s + i for c, s in zip(chunks, starts) for i in range(len(c))]),
-        batch_index=as_tensor([b for b, c in enumerate(chunks) for _ in c]),
-        seq_lens=as_tensor([s + len(c) for c, s in zip(chunks, starts)]),
-        req_slots=torch.arange(len(chunks), device=device),
-    )
-
-
-def prefill_inputs(prompts: Sequence[Sequence[int]], device) -> dict:
-    """Step inputs that prefill every prompt (one batch row each)."""
-    return step_inputs(prompts, [0] * len(prompts), device)
-
-
-def decode_inputs(batch: Batch, device) -> dict:
-    """Step inputs that feed each request its last token (at position ``len - 1``)."""
-    return step_inputs([t[-1:] for t in batch.tokens], [n - 1 for n in batch.seq_lens], device)
-
-
-@torch.no_grad()
-def generate(
-    prefill: Callable[..., torch.Tensor],
-    decode: Callable[..., torch.Tensor],
-    prompts: Sequence[Sequence[int]],
-    steps: int,
-    device,
-    on_step: Callable[[int, torch.Tensor], None] | None = None,
-) -> list[list[int]]:
-    """Greedy generation: ``prefill(**inputs, mode="prefill")`` once, then ``steps`` calls of
-    ``decode(**inputs, mode="decode")``; returns each request's generated tokens.
-
-    ``on_step(step, logits)`` sees the logits of every step (0 = prefill).
-    """
-    logits = prefill(**prefill_inputs(prompts, device), mode="prefill")
-    batch = Batch([list(p) + [t] for p, t in zip(prompts, logits.argmax(-1).tolist())])
-    if on_step is not None:
-        on_step(0, logits)
-    for step in range(1, steps + 1):
-        logits = decode(**decode_inputs(batch, device), mode="decode")
-        if on_step is not None:
-            on_step(step, logits)
-        for tokens, t in zip(batch.tokens, logits.argmax(-1).tolist()):
-            tokens.append(t)
-    return [t[len(p):] for t, p in zip(batch.tokens, prompts)]
