@@ -76,9 +76,9 @@ def dynamic_shapes(max_tokens: int, max_requests: int) -> dict[str, dict[int, An
     return {name: {0: tokens if name in TOKEN_INPUTS else requests} for name in STEP_INPUTS}
 
 
-def example_inputs(model, mode: str, device) -> dict[str, torch.Tensor]:
+def example_inputs(mode: str, device) -> dict[str, torch.Tensor]:
     """Step inputs to trace ``mode`` with: two requests, more tokens than requests (so tokens and
-    requests are not traced as one size), within the model's cache."""
+    requests are not traced as one size)."""
     from .generation import step_inputs
 
     if mode == "prefill":
@@ -91,15 +91,16 @@ def export_step(model, mode: str, *, max_tokens: int | None = None) -> torch.exp
     step up to ``max_tokens`` (default: the cache's ``max_requests * max_seq_len``)."""
     cache = model.cache
     max_tokens = max_tokens or cache.max_requests * cache.max_seq_len
-    if max_tokens < 5:  # the example inputs' token count
-        raise ValueError(f"max_tokens must be >= 5, got {max_tokens}")
-    if cache.max_requests < 2:
-        raise ValueError(f"the model's cache must hold >= 2 requests to export, got max_requests={cache.max_requests}")
-    device = next(model.parameters()).device
+    example = example_inputs(mode, next(model.parameters()).device)
+    need = dict(max_tokens=(max_tokens, example["input_ids"].shape[0]),
+                max_requests=(cache.max_requests, example["seq_lens"].shape[0]),
+                max_seq_len=(cache.max_seq_len, int(example["seq_lens"].max())))
+    for name, (value, least) in need.items():  # what the example inputs of the trace need
+        if value < least:
+            raise ValueError(f"{name} must be >= {least} to export a {mode} step, got {value}")
     with torch.no_grad():
         return torch.export.export(
-            Step(model, mode), (), example_inputs(model, mode, device),
-            dynamic_shapes=dynamic_shapes(max_tokens, cache.max_requests),
+            Step(model, mode), (), example, dynamic_shapes=dynamic_shapes(max_tokens, cache.max_requests),
         )
 
 

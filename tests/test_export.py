@@ -205,3 +205,11 @@ def test_packages_refused_before(tmp_path):
         build_package(make_model(), tmp_path)
     with pytest.raises(RuntimeError, match=rf"need torch >= {MIN_TORCH}"):
         load_package(tmp_path)
+
+
+def test_export_names_what_is_too_small_for_its_trace():
+    with pytest.raises(ValueError, match="max_tokens must be >= 8 to export a prefill step, got 6"):
+        export_step(make_model(), "prefill", max_tokens=6)
+    small = DeepseekV4Model(tiny_config(), CacheConfig(max_requests=1, max_seq_len=512), seed=0)
+    with pytest.raises(ValueError, match="max_requests must be >= 2 to export a decode step, got 1"):
+        export_step(small, "decode")
