@@ -210,8 +210,13 @@ class PackagedModel:
         differ = [k for k in shared if prefill[k] != decode[k]]
         if differ:
             raise ValueError(f"{directory}: prefill.pt2 and decode.pt2 were built from different models ({differ} differ)")
-        device = torch.device(decode["device"]) if device_index < 0 else torch.device(decode["device"], device_index)
-        self.device = device
+        device_type = decode["device"]
+        if device_type != "cpu":  # the device's index, as the step inputs' ``device`` reports it
+            index = device_index if device_index >= 0 else torch.get_device_module(device_type).current_device()
+            self.device = torch.device(device_type, index)
+        else:
+            self.device = torch.device("cpu")
+        device = self.device
         self.max_tokens, self.max_requests = decode["max_tokens"], decode["max_requests"]
         self.max_seq_len, self.vocab_size = decode["max_seq_len"], decode["vocab_size"]
         self.states = {

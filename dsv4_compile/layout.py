@@ -202,8 +202,8 @@ def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") 
     return kvcache[:, : page_size * token].view(torch.float8_e4m3fn).view(num_pages, page_size, 1, token)
 
 
-#: Bytes per token of FlashMLA-style 4-D cache views, and the format family they hold.
-VIEW_TOKEN_BYTES = {TOKEN_BYTES: "v4", V41_FP8.token_bytes: "v4.1-fp8", V41_FP4.token_bytes: "v4.1-fp4"}
+#: Bytes per token of FlashMLA-style 4-D cache views, and the (block-split) format they name.
+VIEW_TOKEN_BYTES = {f.token_bytes: f.name for f in FORMATS.values() if not f.interleaved}
 
 
 def cache_from_view(view: torch.Tensor, arg: str = "k_cache") -> tuple[torch.Tensor, int, int]:

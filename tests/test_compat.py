@@ -10,7 +10,7 @@ import torch
 import dsv4_compile as d4
 from dsv4_compile import layout
 from dsv4_compile.compat import flash_mla, sgl_kernel
-from dsv4_compile.tolerances import DEVICE
+from dsv4_compile.tolerances import DEVICE, REFERENCE
 
 from helpers import filled_cache, random_indices, rope_table, store_inputs
 
@@ -131,6 +131,7 @@ def test_flash_mla_prefill_return_conventions():
     assert all(torch.equal(a, b) for a, b in zip(natural, (out, mx, lse)))
     assert flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, return_log2_lse=False)[1:] == (None, None)
     log2 = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, use_legacy=True, return_log2_lse=True)
+    torch.testing.assert_close(log2[1], mx / math.log(2.0))
     torch.testing.assert_close(log2[2], lse / math.log(2.0))
     with pytest.raises(ValueError, match="use_legacy=True"):
         flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, return_log2_lse=True)
@@ -218,8 +219,19 @@ def test_sgl_kernel_prefill_has_three_natural_log_outputs():
     q = torch.randn(3, 8, 512, dtype=torch.bfloat16)
     kv = torch.randn(10, 1, 512, dtype=torch.bfloat16)
     idx = torch.randint(-1, 12, (3, 1, 6), dtype=torch.int32)
-    got = sgl_kernel.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=torch.randn(8))
+    sink = torch.randn(8)
+    got = sgl_kernel.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=sink)
     assert len(got) == 3 and got[0].shape == (3, 8, 512) and got[2].dtype == torch.float32
+    want = d4.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=sink)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # lse and max_logits in natural log, without the sink: an independent float64 computation
+    valid = (idx[:, 0] >= 0) & (idx[:, 0] < 10)  # [s_q, K]; an entry counts once per occurrence
+    scores = 0.05 * torch.einsum("shd,skd->shk", q.double(), kv[idx[:, 0].clamp(0, 9), 0].double())
+    scores = scores.masked_fill(~valid[:, None], -math.inf)
+    lse = torch.logsumexp(scores, -1).masked_fill(~valid.any(-1)[:, None], math.inf)
+    torch.testing.assert_close(got[2].double(), lse, atol=REFERENCE["lse"].atol, rtol=REFERENCE["lse"].rtol)
+    torch.testing.assert_close(got[1].double(), scores.amax(-1), atol=REFERENCE["max_logits"].atol,
+                               rtol=REFERENCE["max_logits"].rtol)
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,8 +186,11 @@ def test_a_forced_provider_steers_the_package(package):
 
 @needs_packages
 def test_reset_zeroes_the_shared_states(package):
-    package(**_good(), mode="prefill")
+    package(**_good(), mode="prefill")  # the prefill package writes the loader's tensors
     assert any(buf.any() for buf in package.states.values())
+    before = {name: buf.clone() for name, buf in package.states.items()}
+    package(**step_inputs([[9], [9]], [3, 1], "cpu"), mode="decode")  # so does the decode package
+    assert any(not torch.equal(buf, before[name]) for name, buf in package.states.items())
     package.reset()
     assert not any(buf.any() for buf in package.states.values())
 

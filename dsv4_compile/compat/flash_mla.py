@@ -168,32 +168,55 @@ def flash_mla_with_kvcache(
         raise ValueError("enable_batch_invariant=True is not supported: no dsv4 provider promises batch-invariant splits")
     if descale_q is not None or descale_k is not None:
         raise ValueError("descale_q/descale_k must be None (they apply to dense FP8 decoding only)")
+    return sparse_decode(
+        q, k_cache, extra_k_cache, indices, extra_indices_in_kvcache, topk_length,
+        extra_topk_length if extra_k_cache is not None else None, attn_sink, tile_scheduler_metadata,
+        num_splits, softmax_scale, head_dim_v, use_legacy=use_legacy, kv_format=kv_format,
+    )
+
+
+def sparse_decode(
+    q, k_cache, extra_k_cache, indices, extra_indices, topk_length, extra_topk_length, attn_sink,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, *, use_legacy: bool,
+    kv_format: Optional[str] = None, out_of_range_holes: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The decode both interfaces share, once their own arguments are checked: cache views to base
+    caches, formats named, the schedule resolved, ``dsv4::flash_mla_with_kvcache`` called.
+    ``out_of_range_holes``: indices outside ``[0, capacity)`` become ``-1`` (sgl-kernel-xpu's
+    convention; one elementwise op, no sync)."""
     cache, page_size, token = layout.cache_from_view(k_cache, "k_cache")
-    fmt = cache_format(token, use_legacy, kv_format, "k_cache")
+    if out_of_range_holes:
+        indices = holes(indices, layout.capacity(cache, page_size))
     extra = dict(extra_k_cache=None, extra_page_size=1, extra_kv_format=None)
     if extra_k_cache is not None:
         extra_cache, extra_page_size, extra_token = layout.cache_from_view(extra_k_cache, "extra_k_cache")
         extra = dict(extra_k_cache=extra_cache, extra_page_size=extra_page_size,
                      extra_kv_format=cache_format(extra_token, use_legacy, None, "extra_k_cache"))
+        if out_of_range_holes:
+            extra_indices = holes(extra_indices, layout.capacity(extra_cache, extra_page_size))
     config = FlashMLASchedMeta.Config(
-        b=q.shape[0], s_q=q.shape[1], h_q=q.shape[2], page_block_size=k_cache.shape[1], h_k=k_cache.shape[2],
-        causal=causal, is_fp8_kvcache=True, topk=indices.shape[-1],
-        extra_page_block_size=None if extra_k_cache is None else extra_k_cache.shape[1],
-        extra_topk=None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1],
-        enable_batch_invariant=enable_batch_invariant,
+        b=q.shape[0], s_q=q.shape[1], h_q=q.shape[2], page_block_size=page_size, h_k=1,
+        causal=False, is_fp8_kvcache=True, topk=indices.shape[-1],
+        extra_page_block_size=extra["extra_page_size"] if extra_k_cache is not None else None,
+        extra_topk=None if extra_indices is None else extra_indices.shape[-1],
+        enable_batch_invariant=False,
     )
     meta, splits = resolve_schedule(
-        tile_scheduler_metadata, num_splits, q, indices, topk_length, extra_indices_in_kvcache,
-        extra_topk_length if extra_indices_in_kvcache is not None else None, config,
+        tile_scheduler_metadata, num_splits, q, indices, topk_length, extra_indices,
+        extra_topk_length if extra_indices is not None else None, config,
     )
     return ops.flash_mla_with_kvcache(
         q, cache, page_size, indices, topk_length, attn_sink,
-        extra_indices=extra_indices_in_kvcache,
-        extra_topk_length=extra_topk_length if extra_k_cache is not None else None,
+        extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         tile_scheduler_metadata=meta, num_splits=splits,
         softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale,
-        head_dim_v=head_dim_v, kv_format=fmt, **extra,
+        head_dim_v=head_dim_v, kv_format=cache_format(token, use_legacy, kv_format, "k_cache"), **extra,
     )
+
+
+def holes(indices: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Indices outside ``[0, capacity)`` as ``-1`` holes."""
+    return torch.where((indices >= 0) & (indices < capacity), indices, -1)
 
 
 def flash_mla_sparse_fwd(

@@ -27,13 +27,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import layout, ops
-from .flash_mla import FlashMLASchedMeta, cache_format, resolve_schedule
-
-
-def _holes(indices: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Indices outside ``[0, capacity)`` as ``-1`` holes (upstream XPU skips them)."""
-    return torch.where((indices >= 0) & (indices < capacity), indices, -1)
+from .. import ops
+from .flash_mla import sparse_decode
 
 
 def flash_mla_with_kvcache(
@@ -65,31 +60,10 @@ def flash_mla_with_kvcache(
         raise ValueError("indices must be given (sparse decode)")
     if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
         raise ValueError("extra_k_cache and extra_indices_in_kvcache must be given together")
-    cache, page_size, token = layout.cache_from_view(k_cache, "k_cache")
-    extra = dict(extra_k_cache=None, extra_page_size=1, extra_kv_format=None)
-    extra_indices = None
-    if extra_k_cache is not None:
-        extra_cache, extra_page_size, extra_token = layout.cache_from_view(extra_k_cache, "extra_k_cache")
-        extra = dict(extra_k_cache=extra_cache, extra_page_size=extra_page_size,
-                     extra_kv_format=cache_format(extra_token, False, None, "extra_k_cache"))
-        extra_indices = _holes(extra_indices_in_kvcache, extra_cache.shape[0] * extra_page_size)
-    indices = _holes(indices, cache.shape[0] * page_size)
-    config = FlashMLASchedMeta.Config(
-        b=q.shape[0], s_q=q.shape[1], h_q=q.shape[2], page_block_size=page_size, h_k=1, causal=False,
-        is_fp8_kvcache=True, topk=indices.shape[-1],
-        extra_page_block_size=None if extra_k_cache is None else extra["extra_page_size"],
-        extra_topk=None if extra_indices is None else extra_indices.shape[-1], enable_batch_invariant=False,
-    )
-    meta, splits = resolve_schedule(
-        tile_scheduler_metadata, num_splits, q, indices, topk_length, extra_indices,
-        extra_topk_length if extra_indices is not None else None, config,
-    )
-    return ops.flash_mla_with_kvcache(
-        q, cache, page_size, indices, topk_length, attn_sink,
-        extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        tile_scheduler_metadata=meta, num_splits=splits,
-        softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale,
-        head_dim_v=head_dim_v, kv_format=cache_format(token, False, None, "k_cache"), **extra,
+    return sparse_decode(
+        q, k_cache, extra_k_cache, indices, extra_indices_in_kvcache, topk_length, extra_topk_length,
+        attn_sink, tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, use_legacy=False,
+        out_of_range_holes=True,
     )
 
 
