@@ -25,9 +25,11 @@ class Batch:
         return [len(t) for t in self.tokens]
 
 
-def step_inputs(chunks: Sequence[Sequence[int]], starts: Sequence[int], device) -> dict:
+def step_inputs(
+    chunks: Sequence[Sequence[int]], starts: Sequence[int], device, slots: Sequence[int] | None = None
+) -> dict:
     """Step inputs that feed batch row ``b`` the tokens ``chunks[b]`` at positions
-    ``starts[b], starts[b] + 1, ...`` (request ``b`` owns page-table row ``b``)."""
+    ``starts[b], starts[b] + 1, ...`` of request ``slots[b]`` (its page-table row; default ``b``)."""
 
     def as_tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -37,13 +39,62 @@ def step_inputs(chunks: Sequence[Sequence[int]], starts: Sequence[int], device) 
         positions=as_tensor([s + i for c, s in zip(chunks, starts) for i in range(len(c))]),
         batch_index=as_tensor([b for b, c in enumerate(chunks) for _ in c]),
         seq_lens=as_tensor([s + len(c) for c, s in zip(chunks, starts)]),
-        req_slots=torch.arange(len(chunks), device=device),
+        req_slots=torch.arange(len(chunks), device=device) if slots is None else as_tensor(list(slots)),
     )
 
 
 def prefill_inputs(prompts: Sequence[Sequence[int]], device) -> dict:
     """Step inputs that prefill every prompt (one batch row each)."""
     return step_inputs(prompts, [0] * len(prompts), device)
+
+
+def prefill_chunks(prompts: Sequence[Sequence[int]], chunk_tokens: int) -> list[list[tuple[int, int, int]]]:
+    """Chunked prefill: the steps that prefill ``prompts`` with at most ``chunk_tokens`` tokens
+    each, as ``(request, start, count)`` rows (request ``r`` is fed ``prompts[r][start:start + count]``).
+    Requests are taken in order and a step packs as many as fit, so a long prompt spans several
+    steps and short ones share a step; every step but the last holds exactly ``chunk_tokens``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    empty = [r for r, p in enumerate(prompts) if not len(p)]
+    if empty:
+        raise ValueError(f"prompts must not be empty, got empty prompts at {empty}")
+    steps, rows, room = [], [], chunk_tokens
+    for r, prompt in enumerate(prompts):
+        start = 0
+        while start < len(prompt):
+            count = min(len(prompt) - start, room)
+            rows.append((r, start, count))
+            start, room = start + count, room - count
+            if not room:
+                steps.append(rows)
+                rows, room = [], chunk_tokens
+    return steps + [rows] if rows else steps
+
+
+@torch.no_grad()
+def prefill_prompts(
+    step: Callable[..., torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    device,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Prefill every prompt (request ``r`` in page-table row ``r``) with ``step(**inputs,
+    mode="prefill")``: in one step, or in steps of at most ``chunk_tokens`` tokens
+    (:func:`prefill_chunks`), which bounds the step's activations whatever the prompts' lengths.
+    Returns the logits of each prompt's last token ``[len(prompts), vocab]``."""
+    if chunk_tokens is None:
+        return step(**prefill_inputs(prompts, device), mode="prefill")
+    last = [None] * len(prompts)
+    for rows in prefill_chunks(prompts, chunk_tokens):
+        inputs = step_inputs(
+            [prompts[r][start:start + count] for r, start, count in rows], [start for _, start, _ in rows],
+            device, slots=[r for r, _, _ in rows],
+        )
+        logits = step(**inputs, mode="prefill")
+        for row, (r, start, count) in enumerate(rows):
+            if start + count == len(prompts[r]):  # the prompt's last token is in this step
+                last[r] = logits[row]
+    return torch.stack(last)
 
 
 def decode_inputs(batch: Batch, device) -> dict:
@@ -59,13 +110,15 @@ def generate(
     steps: int,
     device,
     on_step: Callable[[int, torch.Tensor], None] | None = None,
+    chunk_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Greedy generation: ``prefill(**inputs, mode="prefill")`` once, then ``steps`` calls of
-    ``decode(**inputs, mode="decode")``; returns each request's generated tokens.
+    """Greedy generation: the prompts' prefill (:func:`prefill_prompts`: one step of
+    ``prefill(**inputs, mode="prefill")``, or steps of at most ``chunk_tokens`` tokens), then
+    ``steps`` calls of ``decode(**inputs, mode="decode")``; returns each request's generated tokens.
 
-    ``on_step(step, logits)`` sees the logits of every step (0 = prefill).
+    ``on_step(step, logits)`` sees the logits of every step (0 = the prompts' last tokens).
     """
-    logits = prefill(**prefill_inputs(prompts, device), mode="prefill")
+    logits = prefill_prompts(prefill, prompts, device, chunk_tokens)
     batch = Batch([list(p) + [t] for p, t in zip(prompts, logits.argmax(-1).tolist())])
     if on_step is not None:
         on_step(0, logits)

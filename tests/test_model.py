@@ -16,7 +16,9 @@ from dsv4_compile.models import (
     DeepseekV4Model,
     decode_inputs,
     generate,
+    prefill_chunks,
     prefill_inputs,
+    prefill_prompts,
     step_inputs,
     tiny_config,
 )
@@ -84,6 +86,34 @@ def test_extend_in_chunks_equals_one_prefill():
         model(**step_inputs([t[:c] for t, c in zip(text, cut)], [0] * len(text), "cpu"), mode="prefill")
         got = model(**step_inputs([t[c:] for t, c in zip(text, cut)], cut, "cpu"), mode="decode")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_prefill_chunks_pack_requests_in_order_within_the_budget():
+    assert prefill_chunks([[1] * 5, [2] * 3, [3] * 9], 4) == [
+        [(0, 0, 4)], [(0, 4, 1), (1, 0, 3)], [(2, 0, 4)], [(2, 4, 4)], [(2, 8, 1)],
+    ]
+    assert prefill_chunks([[1] * 2, [2]], 8) == [[(0, 0, 2), (1, 0, 1)]]
+    for bad, match in (((([1],), 0), "chunk_tokens must be >= 1, got 0"), ((([1], []), 4), "empty prompts at \\[1\\]")):
+        with pytest.raises(ValueError, match=match):
+            prefill_chunks(*bad)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 16, 64])
+def test_chunked_prefill_equals_one_prefill(chunk_tokens):
+    """Steps of at most ``chunk_tokens`` tokens (a prompt split across steps, several prompts in
+    one step) give each prompt's last logits and caches of one prefill step, within bf16 noise
+    (the steps round the same values in other groupings), and the same greedy continuation."""
+    model = make_model()
+    with torch.no_grad():
+        want = prefill_prompts(model, prompts(), "cpu")
+        model.reset_caches()
+        want_tokens = generate(model, model, prompts(), STEPS, "cpu")
+        model.reset_caches()
+        got = prefill_prompts(model, prompts(), "cpu", chunk_tokens=chunk_tokens)
+        model.reset_caches()
+        got_tokens = generate(model, model, prompts(), STEPS, "cpu", chunk_tokens=chunk_tokens)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert got_tokens == want_tokens
 
 
 @pytest.mark.parametrize("kv_format", ["v4", *FORMATS])

@@ -16,7 +16,7 @@ from .compressor import Compressor
 from .config import CacheConfig, DeepseekV4Config, tiny_config
 from .indexer import Indexer
 from .metadata import CompressPlan, StepMetadata, build_step_metadata
-from ..generation import decode_inputs, generate, prefill_inputs, step_inputs
+from ..generation import decode_inputs, generate, prefill_chunks, prefill_inputs, prefill_prompts, step_inputs
 from .model import DeepseekV4Model
 from .rope import apply_rope, layer_rope_table, rope_table
 
@@ -34,7 +34,9 @@ __all__ = [
     "decode_inputs",
     "generate",
     "layer_rope_table",
+    "prefill_chunks",
     "prefill_inputs",
+    "prefill_prompts",
     "rope_table",
     "step_inputs",
     "tiny_config",
