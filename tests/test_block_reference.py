@@ -223,3 +223,21 @@ def test_output_matches_reference(ratio, step):
 def test_topk_selection_is_exercised():
     """The ratio-4 case selects among more visible blocks than index_topk (not just 'all')."""
     assert max(PROMPTS) // 4 > CFG.index_topk
+
+
+@pytest.mark.cuda
+def test_compressor_projection_on_cuda_is_the_float32_gemm():
+    """The compressor's CUDA projection (a bf16 GEMM accumulating in float32) equals the float64
+    product of the same bf16 values within float32 accumulation error, as the float32 GEMM does."""
+    from dsv4_compile.models.compressor import linear_fp32
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4096, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(2048, 4096, generator=gen) * 4096**-0.5).to(torch.bfloat16)
+    want = x.to(F64) @ w.to(F64).T
+    bound = 4096 * 2**-23 * (x.to(F64).abs() @ w.to(F64).abs().T)  # K * eps32 * sum |x w|
+    got = linear_fp32(x.cuda(), w.cuda())
+    assert got.dtype == torch.float32 and got.shape == (64, 2048)
+    assert ((got.cpu().to(F64) - want).abs() <= bound).all()
+    fp32 = torch.nn.functional.linear(x.cuda().float(), w.cuda().float())
+    assert ((fp32.cpu().to(F64) - want).abs() <= bound).all()
