@@ -7,11 +7,14 @@ prefills three prompts of different lengths, then runs greedy decode steps eager
 same prefilled state, and reports the graph count, graph breaks, recompiles, the largest logit
 difference compiled vs eager, the provider serving each op, and the time per decode step.
 
-    python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--json]
+    python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--chunk N] [--json]
 
 ``--kv-format``: the caches' format: ``v4`` (584-byte tokens), ``v4.1`` (528-byte FP8, block-split
 pages), ``v4.1-interleaved``, and ``v4.1-fp4`` / ``v4.1-fp4-interleaved`` (the ratio-4 compressed
 cache in 288-byte FP4, as DSV4.1 stores its low-ratio compressed caches).
+
+``--chunk N``: chunked prefill, at most ``N`` tokens per prefill step (bounded memory for any
+prompt length; :func:`dsv4_compile.generation.prefill_prompts`).
 
 The first compiled step includes compilation (tens of seconds on a small CPU machine, cached on
 disk for the next run); the reported compiled time per step (median, and the fastest step)
@@ -63,64 +66,95 @@ class Timed:
             torch.get_device_module(self.device).synchronize(self.device)
 
 
-def run(model, decode, prompts, steps, device):
-    """Reset the caches, prefill eagerly, decode ``steps`` tokens; returns (tokens, decode logits)."""
+def run(model, decode, prompts, steps, device, chunk=None):
+    """Reset the caches, prefill eagerly (in steps of ``chunk`` tokens), decode ``steps`` tokens;
+    returns (tokens, decode logits)."""
     model.reset_caches()
     logits = []
     tokens = generate(
-        model, decode, prompts, steps, device, on_step=lambda s, l: logits.append(l) if s else None
+        model, decode, prompts, steps, device, on_step=lambda s, l: logits.append(l) if s else None,
+        chunk_tokens=chunk,
     )
     return tokens, logits
 
 
-def main() -> dict:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps (>= 2)")
-    parser.add_argument("--kv-format", default="v4", choices=sorted(KV_FORMATS), help="the caches' format")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    steps = max(args.steps, 2)
+@torch.no_grad()
+def measure(model, prompts, steps, device, chunk=None) -> tuple[dict, dict]:
+    """Eager generation, then compiled generation (default mode; on CUDA also ``reduce-overhead``)
+    from the same prefilled state; returns the report's measured keys (graphs, breaks, recompiles,
+    compiled vs eager error, times per decode step) and the details: the eager tokens and decode
+    logits, each mode's median ms, whether every mode generated the eager tokens, and the decode
+    step's traced graphs (``torch._dynamo.explain``)."""
+    eager = Timed(model, device)
+    want_tokens, want = run(model, eager, prompts, steps, device, chunk)
 
-    config = tiny_config()
-    kv_format, fp4_ratios = KV_FORMATS[args.kv_format]
-    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, fp4_ratios=fp4_ratios)
-    model = DeepseekV4Model(config, cache, seed=0, device=device)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    modes = ["default"] + (["reduce-overhead"] if device.type == "cuda" else [])
+    compiled_ms, compiled_min, err, recompiles, tokens_match = {}, {}, 0.0, 0, True
+    for mode in modes:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = Timed(torch.compile(model, fullgraph=True, mode=mode), device, clone=True)
+        tokens, got = run(model, compiled, prompts, steps, device, chunk)
+        compiled_ms[mode] = statistics.median(compiled.ms[1:])  # call 0 compiles
+        compiled_min[mode] = min(compiled.ms[1:])
+        err = max(err, max((g - w).abs().max().item() for g, w in zip(got, want)))
+        recompiles = max(recompiles, torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1)
+        tokens_match &= tokens == want_tokens
 
-    with torch.no_grad():
-        eager = Timed(model, device)
-        want_tokens, want = run(model, eager, prompts, steps, device)
-
-        modes = ["default"] + (["reduce-overhead"] if device.type == "cuda" else [])
-        compiled_ms, compiled_min, err, recompiles, tokens_match = {}, {}, 0.0, 0, True
-        for mode in modes:
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            compiled = Timed(torch.compile(model, fullgraph=True, mode=mode), device, clone=True)
-            tokens, got = run(model, compiled, prompts, steps, device)
-            compiled_ms[mode] = statistics.median(compiled.ms[1:])  # call 0 compiles
-            compiled_min[mode] = min(compiled.ms[1:])
-            err = max(err, max((g - w).abs().max().item() for g, w in zip(got, want)))
-            recompiles = max(recompiles, torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1)
-            tokens_match &= tokens == want_tokens
-
-        batch = Batch([p + t[:1] for p, t in zip(prompts, want_tokens)])
-        explanation = torch._dynamo.explain(model)(**decode_inputs(batch, device), mode="decode")
-
-    report = {
-        "device": str(device),
-        "kv_format": args.kv_format,
+    batch = Batch([p + t[:1] for p, t in zip(prompts, want_tokens)])
+    explanation = torch._dynamo.explain(model)(**decode_inputs(batch, device), mode="decode")
+    measured = {
         "graph_count": explanation.graph_count,
         "graph_break_count": explanation.graph_break_count,
         "recompiles": recompiles,
         "max_abs_err_vs_eager": err,
-        "providers": d4.providers(device),
         "eager_ms_per_step": statistics.median(eager.ms[1:]),  # call 0 warms up
         "compiled_ms_per_step": compiled_ms[modes[-1]],
         "compiled_ms_min_step": compiled_min[modes[-1]],
+    }
+    details = {"tokens": want_tokens, "logits": want, "compiled_ms": compiled_ms,
+               "tokens_match": tokens_match, "graphs": explanation.graphs}
+    return measured, details
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps (>= 2)")
+    parser.add_argument("--kv-format", default="v4", choices=sorted(KV_FORMATS), help="the caches' format")
+    parser.add_argument("--chunk", type=int, help="chunked prefill: at most this many tokens per prefill step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def make_model(kv_format: str, device, tp=None) -> DeepseekV4Model:
+    """The example's 3-layer model (random weights, seed 0), caches in ``kv_format``."""
+    kv_format, fp4_ratios = KV_FORMATS[kv_format]
+    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, fp4_ratios=fp4_ratios)
+    return DeepseekV4Model(tiny_config(), cache, seed=0, device=device, tp=tp)
+
+
+def main() -> dict:
+    args = parser().parse_args()
+    device = torch.device(args.device)
+    steps = max(args.steps, 2)
+    model = make_model(args.kv_format, device)
+    prompts = make_prompts(model.config.vocab_size)
+
+    measured, details = measure(model, prompts, steps, device, args.chunk)
+    compiled_ms, tokens_match, want_tokens = details["compiled_ms"], details["tokens_match"], details["tokens"]
+
+    report = {
+        "device": str(device),
+        "kv_format": args.kv_format,
+        "prefill_chunk": args.chunk,
+        **measured,
+        "providers": d4.providers(device),
     }
     if args.json:
         print(json.dumps(report))

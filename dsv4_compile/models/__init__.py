@@ -7,6 +7,7 @@
 ``indexer``     the lightning indexer of ratio-4 layers (top-k compressed blocks)
 ``attention``   ``DeepseekV4Attention``: one layer, ``compress_ratio`` in {0, 4, 128}
 ``model``       a small multi-layer model with random weights
+``parallel``    tensor parallelism over ``torch.distributed`` (heads split, outputs all-reduced)
 
 Step inputs and greedy generation (re-exported here) are in :mod:`dsv4_compile.generation`.
 """
@@ -18,6 +19,7 @@ from .indexer import Indexer
 from .metadata import CompressPlan, StepMetadata, build_step_metadata
 from ..generation import decode_inputs, generate, prefill_chunks, prefill_inputs, prefill_prompts, step_inputs
 from .model import DeepseekV4Model
+from .parallel import TensorParallel
 from .rope import apply_rope, layer_rope_table, rope_table
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "DeepseekV4Model",
     "Indexer",
     "StepMetadata",
+    "TensorParallel",
     "apply_rope",
     "build_step_metadata",
     "decode_inputs",

@@ -18,7 +18,8 @@ revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``:
    ``dsv4::flash_mla_with_kvcache`` with the compressed keys as ``extra_*``; ``"prefill"`` mode:
    ``dsv4::flash_mla_sparse_fwd`` over a workspace dequantized from both caches.
 5. Inverse RoPE on the output's dims 448..511; grouped low-rank output projection: group ``g`` of
-   ``o_groups`` takes heads ``[g*H/G, (g+1)*H/G)`` through its slice of ``wo_a``; then ``wo_b``.
+   ``o_groups`` takes heads ``[g*H/G, (g+1)*H/G)`` through its slice of ``wo_a``; then ``wo_b``
+   (under tensor parallelism, :mod:`.parallel`, each rank's part, then an all-reduce).
 6. The compressors' state rings take this step's tokens, last (:meth:`.Compressor.remember`).
 
 RoPE tables: ``rope_theta`` for ratio-0 layers, ``compress_rope_theta`` with YaRN for compressed
@@ -38,11 +39,15 @@ from .config import CacheConfig, DeepseekV4Config
 from .indexer import Indexer
 from .metadata import StepMetadata
 from .norm import RMSNorm, rms_norm
+from .parallel import SINGLE, TensorParallel, shard_
 from .rope import layer_rope_table, rope_last
 
 
 class DeepseekV4Attention(nn.Module):
-    """One DSV4 attention layer of kind ``compress_ratio`` (0, 4 or 128) with its own caches."""
+    """One DSV4 attention layer of kind ``compress_ratio`` (0, 4 or 128) with its own caches.
+
+    ``tp``: tensor parallelism (:mod:`.parallel`): this rank's share of the query heads, output
+    groups and indexer heads; the output is all-reduced over the group."""
 
     def __init__(
         self,
@@ -52,12 +57,15 @@ class DeepseekV4Attention(nn.Module):
         *,
         device=None,
         dtype=torch.bfloat16,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         if compress_ratio not in (0, 4, 128):
             raise ValueError(f"compress_ratio must be 0, 4 or 128, got {compress_ratio}")
         self.compress_ratio = compress_ratio
-        self.heads, self.groups = config.num_attention_heads, config.o_groups
+        self.tp = tp
+        self.heads = tp.split("num_attention_heads", config.num_attention_heads)  # this rank's
+        self.groups = tp.split("o_groups", config.o_groups)
         self.o_lora_rank, self.eps = config.o_lora_rank, config.rms_norm_eps
         self.page_size = cache.page_size
         self.kv_format = cache.cache_format(0)  # the window cache
@@ -74,6 +82,10 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = nn.Linear(self.heads * d // self.groups, self.groups * self.o_lora_rank, **linear)
         self.wo_b = nn.Linear(self.groups * self.o_lora_rank, hidden, **linear)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, device=device, dtype=torch.float32))
+        shard_(self.wq_b, tp, weight=0)  # the rank's heads
+        shard_(self.wo_a, tp, weight=0)  # the rank's output groups
+        shard_(self.wo_b, tp, weight=1)  # row-parallel: a partial sum per rank
+        shard_(self, tp, attn_sink=0)
 
         # one table per (config, layer kind, device), shared by the layers of that kind
         freqs = layer_rope_table(config, compress_ratio, device)
@@ -91,7 +103,7 @@ class DeepseekV4Attention(nn.Module):
                 cache.num_pages, self.compressed_page_size, device, kv_format=self.compressed_format,
             ))
         if compress_ratio == 4:
-            self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype)
+            self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; stores this step's keys into the layer's caches."""
@@ -126,7 +138,7 @@ class DeepseekV4Attention(nn.Module):
         out = rope_last(out, self.freqs, positions, inverse=True).to(x.dtype)
         out = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups)
         wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        out = self.wo_b(torch.einsum("tgd,grd->tgr", out, wo_a).flatten(1))
+        out = self.tp.all_reduce(self.wo_b(torch.einsum("tgd,grd->tgr", out, wo_a).flatten(1)))
         for compressor, plan, tokens in remember:
             compressor.remember(plan, tokens)
         return out

@@ -12,6 +12,8 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated.
 * logits over the request's visible blocks ``k < (pos+1)//4``:
   ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``.
+* tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
+  logits are all-reduced before the selection, so every rank selects the same blocks.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
   ``index_topk`` best (ties broken by ``torch.topk``); ``-1`` pads to the fixed width.
 
@@ -30,6 +32,7 @@ from .compressor import Compressor, StepTokens
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import StepMetadata
 from .norm import rms_norm
+from .parallel import SINGLE, TensorParallel, shard_
 from .rope import rope_last
 
 RATIO = 4
@@ -55,17 +58,22 @@ class Indexer(nn.Module):
         *,
         device=None,
         dtype=torch.bfloat16,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.tp = tp
+        self.heads = tp.split("index_n_heads", config.index_n_heads)  # this rank's
+        self.head_dim = config.index_head_dim
         self.topk, self.eps = config.index_topk, config.rms_norm_eps
-        self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
+        self.weight_scale = self.head_dim**-0.5 * config.index_n_heads**-0.5
         self.wq_b = nn.Linear(
             config.q_lora_rank, self.heads * self.head_dim, bias=False, device=device, dtype=dtype
         )
         self.weights_proj = nn.Linear(
             config.hidden_size, self.heads, bias=False, device=device, dtype=dtype
         )
+        shard_(self.wq_b, tp, weight=0)
+        shard_(self.weights_proj, tp, weight=0)
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, RATIO,
             max_requests=cache.max_requests, device=device, dtype=dtype,
@@ -91,7 +99,7 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
         keys = self.keys[plan.block_slots.clamp_min(0)]  # [T, M, D_i]
         scores = torch.einsum("thd,tkd->thk", q, keys).relu()
-        logits = torch.einsum("th,thk->tk", weights, scores)
+        logits = self.tp.all_reduce(torch.einsum("th,thk->tk", weights, scores))  # sum over all heads
         logits = logits.masked_fill(plan.block_slots < 0, float("-inf"))
         return self.select(logits, plan.lengths), tokens
 

@@ -21,34 +21,40 @@ from .attention import DeepseekV4Attention
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import build_step_metadata
 from .norm import RMSNorm
+from .parallel import SINGLE, TensorParallel, full_shape, shard_, sharding, take_shard
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate x) * up x)``."""
+    """SwiGLU: ``down(silu(gate x) * up x)``; under tensor parallelism ``gate``/``up`` are
+    column-parallel, ``down`` row-parallel, then an all-reduce."""
 
-    def __init__(self, hidden: int, intermediate: int, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, hidden: int, intermediate: int, *, device=None, dtype=torch.bfloat16, tp=SINGLE):
         super().__init__()
+        self.tp = tp
         linear = dict(bias=False, device=device, dtype=dtype)
-        self.gate = nn.Linear(hidden, intermediate, **linear)
-        self.up = nn.Linear(hidden, intermediate, **linear)
-        self.down = nn.Linear(intermediate, hidden, **linear)
+        local = tp.split("intermediate_size", intermediate)
+        self.gate = nn.Linear(hidden, local, **linear)
+        self.up = nn.Linear(hidden, local, **linear)
+        self.down = nn.Linear(local, hidden, **linear)
+        for module, dim in ((self.gate, 0), (self.up, 0), (self.down, 1)):
+            shard_(module, tp, weight=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+        return self.tp.all_reduce(self.down(nn.functional.silu(self.gate(x)) * self.up(x)))
 
 
 class DecoderLayer(nn.Module):
     """``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config, compress_ratio, cache, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, config, compress_ratio, cache, *, device=None, dtype=torch.bfloat16, tp=SINGLE):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.attn = DeepseekV4Attention(config, compress_ratio, cache, device=device, dtype=dtype)
+        self.attn = DeepseekV4Attention(config, compress_ratio, cache, device=device, dtype=dtype, tp=tp)
         self.mlp = None
         if config.intermediate_size:
             self.post_attention_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, device=device, dtype=dtype)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, device=device, dtype=dtype, tp=tp)
 
     def forward(self, h: torch.Tensor, meta) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), meta)
@@ -58,7 +64,12 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    """Embedding, ``num_hidden_layers`` DSV4 layers, final norm, LM head; seeded random weights."""
+    """Embedding, ``num_hidden_layers`` DSV4 layers, final norm, LM head; seeded random weights.
+
+    ``tp``: tensor parallelism over ``torch.distributed`` (:class:`~.parallel.TensorParallel`,
+    e.g. ``TensorParallel.from_group()`` on each rank): the rank holds its share of the heads and
+    the same weights as the unsharded model of the same seed; every rank returns the full logits.
+    """
 
     def __init__(
         self,
@@ -68,14 +79,16 @@ class DeepseekV4Model(nn.Module):
         seed: int = 0,
         device=None,
         dtype=torch.bfloat16,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.config, self.cache = config, cache
+        self.tp = tp = tp or SINGLE
         ratios = config.compress_ratios[: config.num_hidden_layers]
         self.compressed_ratios = tuple(sorted({r for r in ratios if r}))
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, r, cache, device=device, dtype=dtype) for r in ratios
+            DecoderLayer(config, r, cache, device=device, dtype=dtype, tp=tp) for r in ratios
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.lm_head = nn.Linear(
@@ -127,17 +140,21 @@ class DeepseekV4Model(nn.Module):
 @torch.no_grad()
 def init_random_(module: nn.Module, seed: int) -> None:
     """Seeded random weights: linears ``N(0, 1/fan_in)``, norm weights ``1 + N(0, 0.1)``,
-    ``ape`` ``N(0, 0.5)``, ``attn_sink`` ``N(0, 1)``, embeddings ``N(0, 1)``."""
+    ``ape`` ``N(0, 0.5)``, ``attn_sink`` ``N(0, 1)``, embeddings ``N(0, 1)``. A tensor-parallel
+    shard (:mod:`.parallel`) is drawn at the full shape and sliced: the weights do not depend on
+    the number of ranks."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in module.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
+        owner, _, leaf = name.rpartition(".")
+        shard = sharding(module.get_submodule(owner), leaf)
+        shape = full_shape(p.shape, *shard) if shard else p.shape
         if leaf == "weight" and p.dim() == 2:
-            std = 1.0 if name.startswith("embed") else p.shape[1] ** -0.5
-            value = torch.randn(p.shape, generator=gen) * std
+            std = 1.0 if name.startswith("embed") else shape[1] ** -0.5
+            value = torch.randn(shape, generator=gen) * std
         elif "norm" in name:
-            value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+            value = 1 + 0.1 * torch.randn(shape, generator=gen)
         elif leaf == "ape":
-            value = 0.5 * torch.randn(p.shape, generator=gen)
+            value = 0.5 * torch.randn(shape, generator=gen)
         else:  # attn_sink
-            value = torch.randn(p.shape, generator=gen)
-        p.copy_(value.to(p.dtype))
+            value = torch.randn(shape, generator=gen)
+        p.copy_((take_shard(value, *shard) if shard else value).to(p.dtype))

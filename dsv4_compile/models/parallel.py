@@ -1,0 +1,96 @@
+"""Tensor parallelism over ``torch.distributed``: which weights a rank holds, and the all-reduce.
+
+With ``N`` ranks, rank ``r`` of the attention layer holds query heads ``[r*H/N, (r+1)*H/N)``: their
+rows of ``wq_b``, their ``attn_sink`` entries and their output groups (``o_groups / N`` groups of
+``wo_a``, and those groups' columns of ``wo_b``: row-parallel, so each rank's output is a partial
+sum that :meth:`TensorParallel.all_reduce` adds up). The ratio-4 indexer splits its heads the same
+way (rows of its ``wq_b`` and ``weights_proj``) and all-reduces its block logits before the top-k.
+The small MLP is column-parallel (``gate``, ``up``) then row-parallel (``down``) with one
+all-reduce. Everything with one KV head is replicated on every rank: ``wq_a`` and its norm,
+``wkv`` and ``kv_norm``, the compressors, the latent caches, the compressed caches and the
+indexer's keys (MQA), and the embedding, norms and LM head. So a rank runs the ``dsv4`` ops over
+its ``H/N`` heads, which the ops pad to what a kernel needs (FlashMLA: 64 or 128).
+
+The all-reduce is a functional collective (``torch.distributed._functional_collectives``): it
+traces into the compiled graph (no graph break) as ``_c10d_functional.all_reduce`` +
+``wait_tensor``.
+
+Weights: a sharded parameter is drawn at its full shape from the model's seeded generator and
+sliced (:func:`~dsv4_compile.models.model.init_random_`), so every ``N`` gives the weights of the
+unsharded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A rank's place in a tensor-parallel group: ``rank`` of ``size``, over ``group``."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup (None with size 1)
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, size) and size >= 1, got rank {self.rank}, size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a tensor-parallel size of {self.size} needs a process group, got None")
+
+    @classmethod
+    def from_group(cls, group=None) -> "TensorParallel":
+        """The calling rank's place in ``group`` (default: the world) of an initialised
+        ``torch.distributed`` process group."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("TensorParallel.from_group needs torch.distributed.init_process_group first")
+        group = group if group is not None else dist.group.WORLD
+        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
+
+    def split(self, name: str, total: int) -> int:
+        """``total / size`` (what this rank holds of ``name``); raises if ``size`` does not divide it."""
+        if total % self.size:
+            raise ValueError(f"{name} ({total}) must be a multiple of the tensor-parallel size ({self.size})")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group's ranks (``x`` itself with one rank)."""
+        if self.size == 1:
+            return x
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", self.group)
+
+
+#: one rank holding everything
+SINGLE = TensorParallel()
+
+
+def shard_(module: nn.Module, tp: TensorParallel, **dims: int) -> None:
+    """Record that ``module``'s parameters named in ``dims`` are split along the given dimension
+    (:func:`full_shape`, :func:`take_shard`); ``module`` must already hold the rank's shapes."""
+    if tp.size > 1:
+        module._tp_shards = {**getattr(module, "_tp_shards", {}), **dims}
+        module._tp = tp
+
+
+def sharding(module: nn.Module, name: str) -> tuple[TensorParallel, int] | None:
+    """``(tp, dim)`` of ``module``'s parameter ``name`` if it is sharded, else None."""
+    dims = getattr(module, "_tp_shards", {})
+    return (module._tp, dims[name]) if name in dims else None
+
+
+def full_shape(shape: torch.Size, tp: TensorParallel, dim: int) -> tuple[int, ...]:
+    return tuple(n * tp.size if d == dim else n for d, n in enumerate(shape))
+
+
+def take_shard(full: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """The rank's contiguous part of ``full`` along ``dim``."""
+    return full.chunk(tp.size, dim)[tp.rank]
