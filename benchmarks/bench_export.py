@@ -13,6 +13,12 @@ runner called directly. Median over runs of ``--calls`` back-to-back calls, sync
 On torch older than ``dsv4_compile.export.MIN_TORCH`` the library refuses to build packages (an
 exception a ``dsv4`` op raises inside one is swallowed there); ``--allow-old-torch`` builds them
 anyway for timing only, and the report says so.
+
+``--self-contained``: time only the decode step, packaged by AOTInductor with its tensors inside
+(its default; ``export_step`` + ``aoti_compile_and_package``, loaded with ``aoti_load_package``,
+not :func:`~dsv4_compile.export.load_package`): the package keeps its own zeroed state buffers, so
+its logits are not compared; for a torch whose loader cannot load the library's code-only
+packages.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> dict:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--allow-old-torch", action="store_true", help="build packages on torch < MIN_TORCH, for timing only")
+    parser.add_argument("--self-contained", action="store_true", help="only the decode step, tensors inside its package")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -53,6 +60,8 @@ def main() -> dict:
     model = DeepseekV4Model(tiny_config(), CacheConfig(max_requests=64, max_seq_len=1024), seed=0, device=device)
     gen = torch.Generator().manual_seed(0)
     texts = [torch.randint(0, 256, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
+    if args.self_contained:
+        return self_contained(args, model, texts, device, batches, old)
     directory = Path(tempfile.mkdtemp(prefix="dsv4_bench_pkg_"))
     start = time.perf_counter()
     paths = export.build_package(model, directory)
@@ -94,6 +103,43 @@ def main() -> dict:
             row["package_max_abs_diff_vs_eager"] = (logits["package"] - logits["eager"]).abs().max().item()
             decode[str(b)] = row
     report["decode"] = decode
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return report
+
+
+def self_contained(args, model, texts, device, batches, old) -> dict:
+    """The decode step as one self-contained AOTInductor package, timed against torch.compile."""
+    with torch.no_grad():
+        program = export.export_step(model, "decode")
+        path = Path(tempfile.mkdtemp(prefix="dsv4_bench_pkg_")) / "decode.pt2"
+        start = time.perf_counter()
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        build_s = time.perf_counter() - start
+        start = time.perf_counter()
+        runner = torch._inductor.aoti_load_package(str(path))
+        load_s = time.perf_counter() - start
+        model.reset_caches()
+        prefill_prompts(model, texts, device)
+        steps = {"eager": model, "default": torch.compile(model, fullgraph=True)}
+        if device.type == "cuda":
+            steps["reduce-overhead"] = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        steps["package_runner"] = lambda mode, **inputs: runner(**inputs)
+        decode = {}
+        for b in batches:
+            inputs = decode_inputs(Batch([t + [1] for t in texts[:b]]), device)
+            decode[str(b)] = {
+                f"{name}_ms": round(step_ms(lambda: step(**inputs, mode="decode"), device, args.calls), 4)
+                for name, step in steps.items()
+            }
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "built_on_unsupported_torch": old, "self_contained": True,
+        "package_mb": round(path.stat().st_size / 2**20, 2), "build_s": round(build_s, 1),
+        "load_s": round(load_s, 2), "decode": decode,
+    }
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
