@@ -21,7 +21,8 @@ divided by the device-to-device copy rate measured in the same run (bytes read +
 second). ``roofline_share`` = roofline time / step time.
 
 ``--profile DIR``: a ``torch.profiler`` table of the compiled (default mode) step's GPU kernels at
-the largest batch, grouped by layer part (from the kernels' names), and Inductor's code of that step.
+the largest batch, grouped by layer part (from the kernels' names), Inductor's code of that step,
+and the Python functions its host time goes to (``cProfile``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,27 @@ def graph_kernels(step, steps: int, device, directory: Path) -> dict:
     }
 
 
+def host_functions(step, steps: int, device, top: int = 25) -> list[dict]:
+    """The Python functions a compiled step spends its host time in (``cProfile``, which inflates
+    every call: compare shares, not absolute µs), per step, by own time."""
+    import cProfile
+    import pstats
+
+    step()
+    sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    sync(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls // steps,
+             "own_us": round(own / steps * 1e6, 1), "cum_us": round(cum / steps * 1e6, 1)}
+            for (file, line, name), (_, calls, own, cum, _) in rows]
+
+
 #: the layer part a GPU kernel belongs to, from its name (Inductor names kernels after the aten ops they fuse)
 PARTS = (
     ("attention op", ("sparse_decode", "flash_fwd", "flashmla", "flash_mla", "splitkv", "combine", "_decode_kernel", "_combine")),
@@ -255,6 +277,8 @@ def run(args) -> dict:
                 (Path(args.profile) / "decode_step_code.py").write_text("\n\n".join(code))
                 report["profile"] = {"batch": b, **graph_kernels(
                     lambda: named(**inputs, mode="decode"), 10, device, Path(args.profile))}
+                report["profile"]["host"] = host_functions(lambda: named(**inputs, mode="decode"), 20, device)
+                print(json.dumps(report["profile"]), flush=True)  # progress
         report["decode"] = {str(b): row for b, row in decode.items()}
     return report
 
