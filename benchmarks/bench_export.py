@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dsv4_compile import export
-from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts
+from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts, random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, tiny_config
 
 from bench_step import step_ms, sync
@@ -58,8 +58,7 @@ def main() -> dict:
         export.require_package_support = lambda: None  # timing only: errors inside a package are swallowed here
 
     model = DeepseekV4Model(tiny_config(), CacheConfig(max_requests=64, max_seq_len=1024), seed=0, device=device)
-    gen = torch.Generator().manual_seed(0)
-    texts = [torch.randint(0, 256, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
+    texts = random_prompts(model.config.vocab_size, [args.prompt] * args.requests)
     if args.self_contained:
         return self_contained(args, model, texts, device, batches, old)
     directory = Path(tempfile.mkdtemp(prefix="dsv4_bench_pkg_"))

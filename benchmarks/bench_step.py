@@ -38,7 +38,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts
+from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts, random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Config, DeepseekV4Model, tiny_config
 
 #: the step's variants: eager, and torch.compile's keyword arguments for each compiled one
@@ -118,8 +118,7 @@ def build(args, device) -> DeepseekV4Model:
 
 
 def prompts(args, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
+    return random_prompts(vocab, [args.prompt] * args.requests)
 
 
 def peak_prefill_mb(model, texts, device, chunk_tokens) -> tuple[float, float]:

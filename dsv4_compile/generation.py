@@ -25,6 +25,13 @@ class Batch:
         return [len(t) for t in self.tokens]
 
 
+def random_prompts(vocab_size: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths, token ids uniform in ``[0, vocab_size)`` from ``seed`` (drawn
+    in order, so the same arguments give the same prompts everywhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
 def step_inputs(
     chunks: Sequence[Sequence[int]], starts: Sequence[int], device, slots: Sequence[int] | None = None
 ) -> dict:

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
+from dsv4_compile.generation import random_prompts  # the step helpers only: no model code
+
 PROMPT_LENGTHS = (5, 37, 150)  # as examples/generate.py: the ratio-128 layer gets a block
 
 
 def prompts(vocab_size: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(vocab_size, PROMPT_LENGTHS)
 
 
 def run_packages(directory: str, steps: int) -> dict:

@@ -33,7 +33,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, generate, tiny_config
-from dsv4_compile.generation import Batch
+from dsv4_compile.generation import Batch, random_prompts
 
 PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
 #: --kv-format: (CacheConfig.kv_format, CacheConfig.fp4_ratios)
@@ -117,11 +117,6 @@ def measure(model, prompts, steps, device, chunk=None) -> tuple[dict, dict]:
     return measured, details
 
 
-def make_prompts(vocab_size: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-
-
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -144,7 +139,7 @@ def main() -> dict:
     device = torch.device(args.device)
     steps = max(args.steps, 2)
     model = make_model(args.kv_format, device)
-    prompts = make_prompts(model.config.vocab_size)
+    prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
 
     measured, details = measure(model, prompts, steps, device, args.chunk)
     compiled_ms, tokens_match, want_tokens = details["compiled_ms"], details["tokens_match"], details["tokens"]

@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import make_model, make_prompts, measure, parser, run  # noqa: E402
-
-import dsv4_compile as d4  # noqa: E402
-from dsv4_compile.models.parallel import TensorParallel  # noqa: E402
+import dsv4_compile as d4
+from dsv4_compile.generation import random_prompts
+from dsv4_compile.models.parallel import TensorParallel
+from generate import PROMPT_LENGTHS, make_model, measure, parser, run  # this directory's example
 
 
 def all_reduces(graphs) -> int:
@@ -62,7 +61,7 @@ def _run(args, device) -> dict:
     tp = TensorParallel.from_group()
     steps = max(args.steps, 2)
     model = make_model(args.kv_format, device, tp=tp)
-    prompts = make_prompts(model.config.vocab_size)
+    prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     measured, details = measure(model, prompts, steps, device, args.chunk)
 
     single = make_model(args.kv_format, device)  # the unsharded model, same seed

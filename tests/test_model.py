@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._inductor.utils import run_and_get_code
 
-from dsv4_compile.generation import Batch
+from dsv4_compile.generation import Batch, random_prompts
 from dsv4_compile.models import (
     CacheConfig,
     DeepseekV4Model,
@@ -31,8 +31,7 @@ STEPS = 5
 
 
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(CFG.vocab_size, PROMPT_LENGTHS, seed=3)
 
 
 #: The cache formats of CacheConfig: (kv_format, fp4_ratios)
@@ -101,8 +100,9 @@ def test_prefill_chunks_pack_requests_in_order_within_the_budget():
 @pytest.mark.parametrize("chunk_tokens", [1, 16, 64])
 def test_chunked_prefill_equals_one_prefill(chunk_tokens):
     """Steps of at most ``chunk_tokens`` tokens (a prompt split across steps, several prompts in
-    one step) give each prompt's last logits and caches of one prefill step, within bf16 noise
-    (the steps round the same values in other groupings), and the same greedy continuation."""
+    one step) give each prompt's last logits of one prefill step, within bf16 noise (the steps
+    round the same values in other groupings), and, decoding from the caches and states those
+    steps wrote, the same greedy continuation."""
     model = make_model()
     with torch.no_grad():
         want = prefill_prompts(model, prompts(), "cpu")

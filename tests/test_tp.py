@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4_compile.generation import random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, generate, tiny_config
 from dsv4_compile.models.parallel import SINGLE, TensorParallel
 
@@ -83,8 +84,7 @@ def check_against_unsharded(reports: list[dict], tmp_path: Path, device: str) ->
     """Every rank: one graph, no break, the all-reduces inside it, and the unsharded model's
     tokens and logits (within bf16 noise: the ranks' partial sums round differently)."""
     config = tiny_config()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    prompts = random_prompts(config.vocab_size, PROMPT_LENGTHS)
     model = DeepseekV4Model(config, CACHE, seed=0, device=device)
     logits = []
     with torch.no_grad():

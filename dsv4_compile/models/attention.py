@@ -82,10 +82,10 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = nn.Linear(self.heads * d // self.groups, self.groups * self.o_lora_rank, **linear)
         self.wo_b = nn.Linear(self.groups * self.o_lora_rank, hidden, **linear)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, device=device, dtype=torch.float32))
-        shard_(self.wq_b, tp, weight=0)  # the rank's heads
-        shard_(self.wo_a, tp, weight=0)  # the rank's output groups
-        shard_(self.wo_b, tp, weight=1)  # row-parallel: a partial sum per rank
-        shard_(self, tp, attn_sink=0)
+        shard_(self.wq_b, weight=0)  # the rank's heads
+        shard_(self.wo_a, weight=0)  # the rank's output groups
+        shard_(self.wo_b, weight=1)  # row-parallel: a partial sum per rank
+        shard_(self, attn_sink=0)
 
         # one table per (config, layer kind, device), shared by the layers of that kind
         freqs = layer_rope_table(config, compress_ratio, device)

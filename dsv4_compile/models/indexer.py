@@ -72,8 +72,8 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(
             config.hidden_size, self.heads, bias=False, device=device, dtype=dtype
         )
-        shard_(self.wq_b, tp, weight=0)
-        shard_(self.weights_proj, tp, weight=0)
+        shard_(self.wq_b, weight=0)
+        shard_(self.weights_proj, weight=0)
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, RATIO,
             max_requests=cache.max_requests, device=device, dtype=dtype,

@@ -21,7 +21,7 @@ from .attention import DeepseekV4Attention
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import build_step_metadata
 from .norm import RMSNorm
-from .parallel import SINGLE, TensorParallel, full_shape, shard_, sharding, take_shard
+from .parallel import SINGLE, TensorParallel, full_shape, shard_, shard_dim, take_shard
 
 
 class MLP(nn.Module):
@@ -37,7 +37,7 @@ class MLP(nn.Module):
         self.up = nn.Linear(hidden, local, **linear)
         self.down = nn.Linear(local, hidden, **linear)
         for module, dim in ((self.gate, 0), (self.up, 0), (self.down, 1)):
-            shard_(module, tp, weight=dim)
+            shard_(module, weight=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down(nn.functional.silu(self.gate(x)) * self.up(x)))
@@ -141,13 +141,14 @@ class DeepseekV4Model(nn.Module):
 def init_random_(module: nn.Module, seed: int) -> None:
     """Seeded random weights: linears ``N(0, 1/fan_in)``, norm weights ``1 + N(0, 0.1)``,
     ``ape`` ``N(0, 0.5)``, ``attn_sink`` ``N(0, 1)``, embeddings ``N(0, 1)``. A tensor-parallel
-    shard (:mod:`.parallel`) is drawn at the full shape and sliced: the weights do not depend on
-    the number of ranks."""
+    shard (:mod:`.parallel`; ``module.tp`` says which rank) is drawn at the full shape and sliced:
+    the weights do not depend on the number of ranks."""
     gen = torch.Generator().manual_seed(seed)
+    tp = getattr(module, "tp", SINGLE)
     for name, p in module.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        shard = sharding(module.get_submodule(owner), leaf)
-        shape = full_shape(p.shape, *shard) if shard else p.shape
+        dim = shard_dim(module.get_submodule(owner), leaf)
+        shape = p.shape if dim is None else full_shape(p.shape, tp, dim)
         if leaf == "weight" and p.dim() == 2:
             std = 1.0 if name.startswith("embed") else shape[1] ** -0.5
             value = torch.randn(shape, generator=gen) * std
@@ -157,4 +158,4 @@ def init_random_(module: nn.Module, seed: int) -> None:
             value = 0.5 * torch.randn(shape, generator=gen)
         else:  # attn_sink
             value = torch.randn(shape, generator=gen)
-        p.copy_((take_shard(value, *shard) if shard else value).to(p.dtype))
+        p.copy_((value if dim is None else take_shard(value, tp, dim)).to(p.dtype))

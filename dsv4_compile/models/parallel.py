@@ -73,18 +73,15 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def shard_(module: nn.Module, tp: TensorParallel, **dims: int) -> None:
-    """Record that ``module``'s parameters named in ``dims`` are split along the given dimension
-    (:func:`full_shape`, :func:`take_shard`); ``module`` must already hold the rank's shapes."""
-    if tp.size > 1:
-        module._tp_shards = {**getattr(module, "_tp_shards", {}), **dims}
-        module._tp = tp
+def shard_(module: nn.Module, **dims: int) -> None:
+    """Record that ``module``'s parameters named in ``dims`` are split across the ranks along the
+    given dimension (``module`` holds the rank's part; :func:`full_shape`, :func:`take_shard`)."""
+    module._tp_shards = {**getattr(module, "_tp_shards", {}), **dims}
 
 
-def sharding(module: nn.Module, name: str) -> tuple[TensorParallel, int] | None:
-    """``(tp, dim)`` of ``module``'s parameter ``name`` if it is sharded, else None."""
-    dims = getattr(module, "_tp_shards", {})
-    return (module._tp, dims[name]) if name in dims else None
+def shard_dim(module: nn.Module, name: str) -> int | None:
+    """The dimension ``module``'s parameter ``name`` is split along, or None if replicated."""
+    return getattr(module, "_tp_shards", {}).get(name)
 
 
 def full_shape(shape: torch.Size, tp: TensorParallel, dim: int) -> tuple[int, ...]:
