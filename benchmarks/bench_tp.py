@@ -148,14 +148,22 @@ def main() -> dict | None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         report = run(args, device, TensorParallel.from_group())
+        if dist.get_rank() == 0:
+            text = json.dumps(report, indent=1)
+            print(text, flush=True)
+            if args.json:
+                Path(args.json).write_text(text)
     finally:
-        dist.destroy_process_group()
-    if int(os.environ["RANK"]) == 0:
-        text = json.dumps(report, indent=1)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(text)
+        shutdown(device)
     return report
+
+
+def shutdown(device) -> None:
+    """Free the compiled steps (their CUDA graphs hold NCCL work) on every rank, then the group."""
+    torch._dynamo.reset()
+    sync(device)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

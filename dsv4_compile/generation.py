@@ -118,21 +118,50 @@ def generate(
     device,
     on_step: Callable[[int, torch.Tensor], None] | None = None,
     chunk_tokens: int | None = None,
+    follow: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """Greedy generation: the prompts' prefill (:func:`prefill_prompts`: one step of
     ``prefill(**inputs, mode="prefill")``, or steps of at most ``chunk_tokens`` tokens), then
     ``steps`` calls of ``decode(**inputs, mode="decode")``; returns each request's generated tokens.
 
     ``on_step(step, logits)`` sees the logits of every step (0 = the prompts' last tokens).
+
+    ``follow``: each request's tokens to feed instead of the greedy ones (at least ``steps``
+    each; teacher forcing), so two models can be compared step by step on the same inputs even
+    where a near-tie makes their greedy choices differ; the greedy choices are still returned.
     """
+    if follow is not None and (len(follow) != len(prompts) or min(map(len, follow), default=steps) < steps):
+        raise ValueError(f"follow must hold at least steps ({steps}) tokens for each of the {len(prompts)} "
+                         f"prompts, got lengths {[len(f) for f in follow]}")
     logits = prefill_prompts(prefill, prompts, device, chunk_tokens)
-    batch = Batch([list(p) + [t] for p, t in zip(prompts, logits.argmax(-1).tolist())])
+    chosen = [[t] for t in logits.argmax(-1).tolist()]
+    batch = Batch([list(p) + (c if follow is None else list(f[:1])) for p, c, f in zip(prompts, chosen, follow or chosen)])
     if on_step is not None:
         on_step(0, logits)
     for step in range(1, steps + 1):
         logits = decode(**decode_inputs(batch, device), mode="decode")
         if on_step is not None:
             on_step(step, logits)
-        for tokens, t in zip(batch.tokens, logits.argmax(-1).tolist()):
-            tokens.append(t)
-    return [t[len(p):] for t, p in zip(batch.tokens, prompts)]
+        for r, t in enumerate(logits.argmax(-1).tolist()):
+            chosen[r].append(t)
+            if follow is None:
+                batch.tokens[r].append(t)
+            elif step < steps:
+                batch.tokens[r].append(follow[r][step])
+    return chosen
+
+
+def choice_margins(
+    logits: Sequence[torch.Tensor], chosen: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
+) -> list[float]:
+    """Where ``other``'s greedy tokens differ from ``chosen`` (the run whose ``logits`` of every
+    step these are, as :func:`generate` returns and ``on_step`` sees them: ``logits[i][r]`` chose
+    ``chosen[r][i]``), how far below the top logit ``other``'s token lies: 0 for an exact tie,
+    small for a near-tie that rounding can flip."""
+    margins = []
+    for i, step in enumerate(logits):
+        for r, row in enumerate(step.float()):
+            if chosen[r][i] != other[r][i]:
+                margins.append((row.max() - row[other[r][i]]).item())
+    return margins
+

@@ -33,7 +33,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, generate, tiny_config
-from dsv4_compile.generation import Batch, random_prompts
+from dsv4_compile.generation import Batch, choice_margins, random_prompts
 
 PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
 #: --kv-format: (CacheConfig.kv_format, CacheConfig.fp4_ratios)
@@ -66,14 +66,15 @@ class Timed:
             torch.get_device_module(self.device).synchronize(self.device)
 
 
-def run(model, decode, prompts, steps, device, chunk=None):
-    """Reset the caches, prefill eagerly (in steps of ``chunk`` tokens), decode ``steps`` tokens;
-    returns (tokens, decode logits)."""
+def run(model, decode, prompts, steps, device, chunk=None, follow=None):
+    """Reset the caches, prefill eagerly (in steps of ``chunk`` tokens), decode ``steps`` tokens
+    (feeding ``follow``'s tokens if given: :func:`~dsv4_compile.generation.generate`); returns
+    (greedy tokens, the logits of every step: 0 = the prefill's last tokens)."""
     model.reset_caches()
     logits = []
     tokens = generate(
-        model, decode, prompts, steps, device, on_step=lambda s, l: logits.append(l) if s else None,
-        chunk_tokens=chunk,
+        model, decode, prompts, steps, device, on_step=lambda s, l: logits.append(l),
+        chunk_tokens=chunk, follow=follow,
     )
     return tokens, logits
 
@@ -81,25 +82,28 @@ def run(model, decode, prompts, steps, device, chunk=None):
 @torch.no_grad()
 def measure(model, prompts, steps, device, chunk=None) -> tuple[dict, dict]:
     """Eager generation, then compiled generation (default mode; on CUDA also ``reduce-overhead``)
-    from the same prefilled state; returns the report's measured keys (graphs, breaks, recompiles,
-    compiled vs eager error, times per decode step) and the details: the eager tokens and decode
-    logits, each mode's median ms, whether every mode generated the eager tokens, and the decode
+    from the same prefilled state, fed the eager run's tokens (so a near-tie that rounding flips
+    does not send the runs apart); returns the report's measured keys (graphs, breaks, recompiles,
+    compiled vs eager error, times per decode step) and the details: the eager tokens and logits of
+    every step, each mode's median ms, whether every mode chose the eager tokens (and, where one did
+    not, how far below eager's top logit its choice lies: ``compiled_margin``), and the decode
     step's traced graphs (``torch._dynamo.explain``)."""
     eager = Timed(model, device)
     want_tokens, want = run(model, eager, prompts, steps, device, chunk)
 
     modes = ["default"] + (["reduce-overhead"] if device.type == "cuda" else [])
-    compiled_ms, compiled_min, err, recompiles, tokens_match = {}, {}, 0.0, 0, True
+    compiled_ms, compiled_min, err, recompiles, tokens_match, margin = {}, {}, 0.0, 0, True, 0.0
     for mode in modes:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         compiled = Timed(torch.compile(model, fullgraph=True, mode=mode), device, clone=True)
-        tokens, got = run(model, compiled, prompts, steps, device, chunk)
+        tokens, got = run(model, compiled, prompts, steps, device, chunk, follow=want_tokens)
         compiled_ms[mode] = statistics.median(compiled.ms[1:])  # call 0 compiles
         compiled_min[mode] = min(compiled.ms[1:])
         err = max(err, max((g - w).abs().max().item() for g, w in zip(got, want)))
         recompiles = max(recompiles, torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1)
         tokens_match &= tokens == want_tokens
+        margin = max([margin, *choice_margins(want, want_tokens, tokens)])
 
     batch = Batch([p + t[:1] for p, t in zip(prompts, want_tokens)])
     explanation = torch._dynamo.explain(model)(**decode_inputs(batch, device), mode="decode")
@@ -113,7 +117,7 @@ def measure(model, prompts, steps, device, chunk=None) -> tuple[dict, dict]:
         "compiled_ms_min_step": compiled_min[modes[-1]],
     }
     details = {"tokens": want_tokens, "logits": want, "compiled_ms": compiled_ms,
-               "tokens_match": tokens_match, "graphs": explanation.graphs}
+               "tokens_match": tokens_match, "compiled_margin": margin, "graphs": explanation.graphs}
     return measured, details
 
 

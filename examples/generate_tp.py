@@ -11,9 +11,13 @@ functional collectives, which stay inside the one compiled graph. Backend: NCCL 
 
 Each rank prints the keys of ``examples/generate.py`` plus ``rank``, ``world_size``, the
 all-reduces in the decode step's graph (``all_reduce_count``), and its agreement with the
-unsharded model run in the same process (``tokens_equal_tp1``, ``max_abs_err_vs_tp1``: eager
-decode logits, tensor-parallel vs one rank). ``--dump DIR``: each rank also saves its eager
-decode logits and tokens to ``DIR/rank{r}.pt``.
+unsharded model run in the same process and fed the same tokens (teacher forcing, so that one
+near-tie does not send the two generations apart): ``max_abs_err_vs_tp1`` (eager logits of every
+step, tensor-parallel vs one rank), ``tokens_equal_tp1`` (the same greedy choices) and, where a choice
+differs, ``tp1_margin_where_tokens_differ``: how far below the unsharded model's top logit the
+tensor-parallel choice lies (a near-tie that bf16 rounding flips has a margin within the logits'
+error). ``--dump DIR``: each rank also saves its eager logits of every step and its tokens to
+``DIR/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import dsv4_compile as d4
-from dsv4_compile.generation import random_prompts
+from dsv4_compile.generation import choice_margins, random_prompts
 from dsv4_compile.models.parallel import TensorParallel
 from generate import PROMPT_LENGTHS, make_model, measure, parser, run  # this directory's example
 
@@ -42,7 +46,7 @@ def all_reduces(graphs) -> int:
 
 def main() -> dict:
     p = parser()
-    p.add_argument("--dump", help="save each rank's eager decode logits and tokens to DIR/rank{r}.pt")
+    p.add_argument("--dump", help="save each rank's eager logits and tokens to DIR/rank{r}.pt")
     args = p.parse_args()
     if "RANK" not in os.environ:
         sys.exit("launch with torchrun: torchrun --nproc-per-node N examples/generate_tp.py")
@@ -53,7 +57,11 @@ def main() -> dict:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         return _run(args, device)
-    finally:
+    finally:  # free the compiled steps (their CUDA graphs hold NCCL work) on every rank, then the group
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -64,9 +72,10 @@ def _run(args, device) -> dict:
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     measured, details = measure(model, prompts, steps, device, args.chunk)
 
-    single = make_model(args.kv_format, device)  # the unsharded model, same seed
+    single = make_model(args.kv_format, device)  # the unsharded model, same seed, fed the same tokens
     with torch.no_grad():
-        tp1_tokens, tp1_logits = run(single, single, prompts, steps, device, args.chunk)
+        tp1_tokens, tp1_logits = run(single, single, prompts, steps, device, args.chunk, follow=details["tokens"])
+    margins = choice_margins(tp1_logits, tp1_tokens, details["tokens"])
     report = {
         "rank": tp.rank,
         "world_size": tp.size,
@@ -76,7 +85,9 @@ def _run(args, device) -> dict:
         **measured,
         "all_reduce_count": all_reduces(details["graphs"]),
         "tokens_equal_compiled": details["tokens_match"],
+        "compiled_margin_where_tokens_differ": details["compiled_margin"],
         "tokens_equal_tp1": details["tokens"] == tp1_tokens,
+        "tp1_margin_where_tokens_differ": max(margins, default=0.0),
         "max_abs_err_vs_tp1": max((a - b).abs().max().item() for a, b in zip(details["logits"], tp1_logits)),
         "providers": d4.providers(device),
         "tokens": details["tokens"],

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._inductor.utils import run_and_get_code
 
-from dsv4_compile.generation import Batch, random_prompts
+from dsv4_compile.generation import Batch, choice_margins, random_prompts
 from dsv4_compile.models import (
     CacheConfig,
     DeepseekV4Model,
@@ -114,6 +114,39 @@ def test_chunked_prefill_equals_one_prefill(chunk_tokens):
         got_tokens = generate(model, model, prompts(), STEPS, "cpu", chunk_tokens=chunk_tokens)
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     assert got_tokens == want_tokens
+
+
+def test_generate_follows_given_tokens():
+    """``follow``: fed its own greedy tokens, a run repeats itself exactly (the same computation);
+    fed other tokens, each step sees them (its logits are those of a run whose greedy choices they
+    were) and the greedy choices are still returned. Too few tokens to follow is an error."""
+    model = make_model()
+    tokens, logits = run_generation(model, model)
+    logits_again = []
+    with torch.no_grad():
+        model.reset_caches()
+        again = generate(model, model, prompts(), STEPS, "cpu", follow=tokens, on_step=lambda s, l: logits_again.append(l))
+    assert again == tokens
+    for got, want in zip(logits_again, logits):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    other = [[(t + 1) % CFG.vocab_size for t in row] for row in tokens]
+    fed = []
+    with torch.no_grad():
+        model.reset_caches()
+        chosen = generate(model, model, prompts(), STEPS, "cpu", follow=other, on_step=lambda s, l: fed.append(l))
+    torch.testing.assert_close(fed[0], logits[0], atol=0, rtol=0)  # the prefill does not depend on follow
+    assert [row[0] for row in chosen] == [row[0] for row in tokens]
+    assert any(not torch.equal(a, b) for a, b in zip(fed[1:], logits[1:]))  # fed other tokens from step 1
+    assert chosen == [[int(step[r].argmax()) for step in fed] for r in range(len(chosen))]
+    with torch.no_grad(), pytest.raises(ValueError, match="follow must hold at least steps \\(5\\) tokens"):
+        generate(model, model, prompts(), STEPS, "cpu", follow=[row[:2] for row in tokens])
+
+
+def test_choice_margins_say_how_far_below_the_top_a_differing_choice_lies():
+    logits = [torch.tensor([[0.0, 1.0, 0.9]]), torch.tensor([[2.0, 0.0, 1.5]])]
+    assert choice_margins(logits, [[1, 0]], [[1, 0]]) == []
+    assert choice_margins(logits, [[1, 0]], [[2, 2]]) == pytest.approx([0.1, 0.5])
 
 
 @pytest.mark.parametrize("kv_format", ["v4", *FORMATS])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4_compile.generation import random_prompts
+from dsv4_compile.generation import choice_margins, random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, generate, tiny_config
 from dsv4_compile.models.parallel import SINGLE, TensorParallel
 
@@ -80,26 +80,36 @@ def run_tp(tmp_path: Path, device: str, nproc: int = 2) -> list[dict]:
     return reports
 
 
+#: TP = 2 against TP = 1 on the same inputs, logits of magnitude <= ~4: the ranks round their
+#: partial sums to bf16 before the all-reduce, so the residual stream differs in its last bits
+#: (measured: up to 0.055 on CPU, 0.125 on the H200). A wrong shard or a missing all-reduce
+#: moves the logits by O(1).
+LOGIT_ATOL, LOGIT_RTOL = 0.2, 0.05
+
+
 def check_against_unsharded(reports: list[dict], tmp_path: Path, device: str) -> None:
-    """Every rank: one graph, no break, the all-reduces inside it, and the unsharded model's
-    tokens and logits (within bf16 noise: the ranks' partial sums round differently)."""
+    """Every rank: one graph, no break, the all-reduces inside it; and the unsharded model, fed
+    the same tokens, gives its decode logits within bf16 noise and its greedy choices, except at
+    near-ties (a top-2 margin within that noise, which rounding may flip)."""
     config = tiny_config()
     prompts = random_prompts(config.vocab_size, PROMPT_LENGTHS)
     model = DeepseekV4Model(config, CACHE, seed=0, device=device)
-    logits = []
-    with torch.no_grad():
-        tokens = generate(model, model, prompts, STEPS, device, on_step=lambda s, l: logits.append(l) if s else None)
     # attention and MLP of each layer, and the ratio-4 layer's indexer
     all_reduces = 2 * config.num_hidden_layers + config.compress_ratios.count(4)
     for report in reports:
         assert (report["graph_count"], report["graph_break_count"]) == (1, 0), report
         assert report["all_reduce_count"] == all_reduces, report
         assert report["world_size"] == len(reports)
+        assert report["compiled_margin_where_tokens_differ"] <= 2 * LOGIT_ATOL, report  # 0 if equal
         dumped = torch.load(tmp_path / f"rank{report['rank']}.pt")
-        assert dumped["tokens"] == tokens
+        logits = []
+        with torch.no_grad():
+            tokens = generate(model, model, prompts, STEPS, device, follow=dumped["tokens"],
+                              on_step=lambda s, l: logits.append(l))
         for got, want in zip(dumped["logits"], logits):
-            torch.testing.assert_close(got, want.cpu(), atol=0.1, rtol=0.05)
-        assert report["tokens_equal_compiled"], report
+            torch.testing.assert_close(got, want.cpu(), atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+        margins = choice_margins(logits, tokens, dumped["tokens"])
+        assert max(margins, default=0.0) <= 2 * LOGIT_ATOL, (margins, tokens, dumped["tokens"])
 
 
 def test_two_cpu_ranks_over_gloo_match_the_unsharded_model(tmp_path):
