@@ -5,7 +5,8 @@ For each token count T (page size 256, bf16 ``kv``) the store moves, per token, 
 device-to-device copy of half that many bytes moves the same traffic (read + write); its
 bandwidth is the ceiling. Times are medians of ``triton.testing.do_bench`` (L2 flushed between
 runs). Rows: the kernel launched directly for each launch geometry (``BLOCK_T`` tokens per program,
-``NUM_WARPS``; ``*`` marks the defaults of ``triton_store``), and the op called eagerly (adds the
+``NUM_WARPS``; ``*`` marks the defaults of ``triton_store``; ``int``: rounding in integer arithmetic
+instead of the GPU's conversion instructions), and the op called eagerly (adds the
 dispatcher, provider trampoline and checks: host time, visible at small T).
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``
@@ -24,7 +25,7 @@ from dsv4_compile.kernels import triton_store
 
 PAGE_SIZE = 256
 BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
-GEOMETRIES = [(1, 4), (2, 4), (4, 4), (8, 4), (8, 8), (16, 8)]  # (BLOCK_T, NUM_WARPS)
+GEOMETRIES = [(1, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (BLOCK_T, NUM_WARPS)
 
 
 def inputs(num_tokens: int, scattered: bool):
@@ -48,13 +49,19 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def kernel_ms(args, block_t: int, num_warps: int) -> float:
-    saved = triton_store.BLOCK_T, triton_store.NUM_WARPS
-    triton_store.BLOCK_T, triton_store.NUM_WARPS = block_t, num_warps
+def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
+    """The kernel at a launch geometry; ``hardware=False``: rounding in integer arithmetic even
+    where the conversion instructions are used (``triton_store.hardware_conversions``)."""
+    saved = triton_store.BLOCK_T, triton_store.NUM_WARPS, dict(triton_store._HARDWARE_CONVERSIONS)
+    triton_store.BLOCK_T, triton_store.NUM_WARPS = block_t, {**saved[1], "v4": num_warps}
+    if hardware is not None:
+        triton_store._HARDWARE_CONVERSIONS[args[0].device] = hardware
     try:
-        return median_ms(lambda: triton_store._launch(triton_store._store_kernel, *args))
+        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))  # Triton's own launcher
     finally:
-        triton_store.BLOCK_T, triton_store.NUM_WARPS = saved
+        triton_store.BLOCK_T, triton_store.NUM_WARPS = saved[:2]
+        triton_store._HARDWARE_CONVERSIONS.clear()
+        triton_store._HARDWARE_CONVERSIONS.update(saved[2])
 
 
 def main() -> None:
@@ -79,11 +86,12 @@ def main() -> None:
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
             args = inputs(num_tokens, scattered)
-            default = (triton_store.BLOCK_T, triton_store.NUM_WARPS)
+            default = (triton_store.BLOCK_T, triton_store.NUM_WARPS["v4"])
             rows = [
                 (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
                 for bt, nw in GEOMETRIES
             ]
+            rows.append((f"kernel {default[0]}x{default[1]} int", kernel_ms(args, *default, hardware=False)))
             op = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
             rows.append(("op (eager)", median_ms(lambda: op(*args))))
             for what, ms in rows:

@@ -341,20 +341,25 @@ def test_v41_formats_match_reference(device, kv_format, fused):
 
 
 @triton.jit
-def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr):
+def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr, HW: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n)
     clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(fp8_ptr + i, triton_store._e4m3fn_bits(clamped), mask=i < n)
-    tl.store(bf16_ptr + i, triton_store._bf16_bits(v), mask=i < n)
+    tl.store(fp8_ptr + i, triton_store._e4m3fn_bits(clamped, HW), mask=i < n)
+    tl.store(bf16_ptr + i, triton_store._bf16_bits(v, HW), mask=i < n)
     tl.store(exponent_ptr + i, triton_store._ue8m0_exponent(tl.abs(v)), mask=i < n)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf inputs
+@pytest.mark.parametrize("hardware", [False, True], ids=["integer", "cvt"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_rounding_helpers_are_exact(device):
-    """The kernel's integer rounding equals torch's casts and ``reference.ue8m0_exponent``, bit
-    for bit: every fp8 tie and its neighbours, bf16 ties, inf/NaN, exponents at powers of two."""
+def test_rounding_helpers_are_exact(device, hardware):
+    """The kernel's rounding equals torch's casts and ``reference.ue8m0_exponent``, bit for bit:
+    every fp8 tie and its neighbours, bf16 ties, inf/NaN, exponents at powers of two; in integer
+    arithmetic (every backend) and with the conversion instructions (``cvt``: where
+    :func:`~dsv4_compile.kernels.triton_store.hardware_conversions` picks them)."""
+    if hardware and not (device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)):
+        pytest.skip("the conversion instructions need an NVIDIA GPU of compute capability 8.9+")
     grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mid = (grid[1:] + grid[:-1]) / 2
     boundaries = 448.0 * 2.0 ** torch.arange(-30.0, 30.0)  # amax / 448 a power of two
@@ -366,7 +371,7 @@ def test_rounding_helpers_are_exact(device):
     x = torch.cat([near, ups, downs, bf16_ties, special, spread])
     x = torch.cat([x, -x]).to(device)
     fp8, bf16, exponent = (torch.empty(x.shape, dtype=torch.int32, device=device) for _ in range(3))
-    _apply_helpers[(triton.cdiv(x.numel(), 1024),)](x, fp8, bf16, exponent, x.numel(), BLOCK=1024)
+    _apply_helpers[(triton.cdiv(x.numel(), 1024),)](x, fp8, bf16, exponent, x.numel(), BLOCK=1024, HW=hardware)
     number = ~x.isnan()  # NaN is no cache value (the kernel writes 0x7FC0 for bf16)
     want_fp8 = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).int()
     assert torch.equal(fp8[number], want_fp8[number])
@@ -374,6 +379,19 @@ def test_rounding_helpers_are_exact(device):
     assert torch.equal(bf16[number], want_bf16[number])
     normal = number & (x.abs() < 3e38)  # amax / 448 a normal fp32 number
     assert torch.equal(exponent[normal], reference.ue8m0_exponent(x.abs())[normal].int())
+
+
+def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions():
+    """The conversion instructions are used on CUDA devices of compute capability 8.9+ with
+    compiled kernels; never on CPU or under the interpreter (whose fp8 casts are numpy's)."""
+    triton_store._triton()
+    kernel = triton_store._store_kernel
+    assert not triton_store.hardware_conversions(torch.device("cpu"), kernel)
+    if INTERPRETED:
+        assert not triton_store.hardware_conversions(torch.device("cuda", 0), kernel)
+    elif torch.cuda.is_available():
+        want = torch.version.hip is None and torch.cuda.get_device_capability(0) >= (8, 9)
+        assert triton_store.hardware_conversions(torch.device("cuda", 0), kernel) == want
 
 
 # --------------------------------------------------------------------------------------------

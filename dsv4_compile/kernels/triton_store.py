@@ -40,9 +40,11 @@ from . import triton_common
 OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
 NAME = "triton"
-#: Launch geometry: tokens per program (a power of two) and warps per program.
+#: Launch geometry: tokens per program (a power of two), and warps per program by the values'
+#: format: the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens);
+#: the FP4 path, with more arithmetic per value, needs more threads per token.
 BLOCK_T = 4
-NUM_WARPS = 4
+NUM_WARPS = {"v4": 1, "fp8": 2, "fp4": 4}
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,8 +62,11 @@ _CONSTEXPRS = (
 )
 
 
-def _e4m3fn_bits(v):
-    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v`` in [-448, 448], round to nearest even."""
+def _e4m3fn_bits(v, HW: tl.constexpr):
+    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v`` in [-448, 448], round to nearest even:
+    ``HW``: the GPU's conversion instruction (SM89+), else in integer arithmetic (the same bits)."""
+    if HW:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -72,8 +77,12 @@ def _e4m3fn_bits(v):
     subnormal = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
     return sign | tl.where(mag < 0x3C800000, subnormal, normal)  # 0x3C800000 = 2^-6
 
-def _bf16_bits(v):
-    """bfloat16 bits (int32 in 0..65535) of fp32 ``v``, round to nearest even, NaN kept quiet."""
+def _bf16_bits(v, HW: tl.constexpr):
+    """bfloat16 bits (int32 in 0..65535) of fp32 ``v``, round to nearest even, NaN kept quiet:
+    ``HW``: the GPU's conversion instruction, else in integer arithmetic (the same bits but for
+    NaN payloads)."""
+    if HW:
+        return v.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
     bits = v.to(tl.int32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
     return tl.where(v != v, 0x7FC0, rounded)
@@ -84,9 +93,12 @@ def _ue8m0_exponent(amax):
     bits = scale.to(tl.int32, bitcast=True)  # scale > 0: exponent field | mantissa
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
-def _round_bf16(v):
-    """fp32 ``v`` rounded to bf16 (nearest even, in integer arithmetic: exact on every backend), as fp32."""
-    return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+def _round_bf16(v, HW: tl.constexpr):
+    """fp32 ``v`` rounded to bf16 (nearest even; ``HW``: by the GPU's instruction, else in integer
+    arithmetic: exact on every backend), as fp32."""
+    if HW:
+        return v.to(tl.bfloat16).to(tl.float32)
+    return (_bf16_bits(v, False) << 16).to(tl.float32, bitcast=True)
 
 
 def _normed(x, weight_ptr, weight_stride, eps, LEN: tl.constexpr):
@@ -107,7 +119,8 @@ def _normed(x, weight_ptr, weight_stride, eps, LEN: tl.constexpr):
 
 
 def _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
-               freqs_stride1, pos, FUSED: tl.constexpr, ROUND: tl.constexpr, BLOCK_T: tl.constexpr):
+               freqs_stride1, pos, FUSED: tl.constexpr, ROUND: tl.constexpr, BLOCK_T: tl.constexpr,
+               HW: tl.constexpr):
     """Dims 448..511 as the store quantizes them, ``[BT, 64]`` fp32: ``FUSED``: normed (the same
     factor as :func:`_normed`), rounded to bf16 if ``ROUND`` (V4.1), interleaved RoPE with
     ``freqs[pos] = (c0, s0, c1, s1, ...)``, rounded to bf16 if ``ROUND``; else the input values."""
@@ -118,7 +131,7 @@ def _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, f
     wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
     yr = xr * inv[:, None] * rstd[:, None] * wr[None, :]
     if ROUND:
-        yr = _round_bf16(yr)
+        yr = _round_bf16(yr, HW)
     cs = tl.load(
         freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1, mask=live[:, None], other=0.0,
     )
@@ -126,23 +139,31 @@ def _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, f
     c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
     rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
     if ROUND:
-        rope = _round_bf16(rope)
+        rope = _round_bf16(rope, HW)
     return rope
 
 
-def _all_finite(values, keep):
-    """Per token (row): every value where ``keep`` is finite."""
-    ok = (values == values) & (tl.abs(values) != float("inf")) | ~keep
-    return tl.min(ok.to(tl.int32), axis=1) != 0
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+def _all_finite(values, LIMIT: tl.constexpr):
+    """Per token (row): every value of columns ``[0, LIMIT)`` finite (their largest magnitude,
+    NaN if any is NaN, is below infinity)."""
+    a = tl.abs(values)
+    if LIMIT < values.shape[1]:
+        a = tl.where(tl.arange(0, values.shape[1])[None, :] < LIMIT, a, 0.0)
+    return tl.reduce(a, 1, _max_nan) < float("inf")
 
 
 def _store_kernel(
     kv_ptr, weight_ptr, freqs_ptr, positions_ptr, out_loc_ptr, cache_ptr,
     num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
     positions_stride, out_loc_stride, page_stride, eps,
-    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, HW: tl.constexpr,
 ):
-    """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store."""
+    """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store;
+    ``HW``: fp8 / bf16 rounding by conversion instructions (:func:`hardware_conversions`)."""
     # (the token rows are read here, not in a helper: torch's analysis of which pointers a Triton
     # kernel mutates counts a pointer passed to a helper that returns loaded values as written)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
@@ -162,17 +183,17 @@ def _store_kernel(
     else:
         y, inv, rstd = x, x, x  # (inv, rstd unused)
     rope = _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
-                      freqs_stride1, pos, FUSED, False, BLOCK_T)
+                      freqs_stride1, pos, FUSED, False, BLOCK_T, HW)
 
     # a token with a non-finite value (dims 0..447 of y, or the RoPE dims) is a NaN token
-    finite = _all_finite(y, d[None, :] < _NOPE_DIM) & _all_finite(rope, tl.arange(0, _ROPE_DIM)[None, :] >= 0)
+    finite = _all_finite(y, _NOPE_DIM) & _all_finite(rope, _ROPE_DIM)
 
     # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
     tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
     e = _ue8m0_exponent(tl.max(tl.abs(tiles), axis=2))  # [BT, 8]
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
     scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
-    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX))
+    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX), HW)
     fp8 = tl.where(finite[:, None], fp8, 0x7F)
     nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
     tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
@@ -181,7 +202,7 @@ def _store_kernel(
     exponent_bytes = tl.where(kk[None, :] < _NUM_TILES, exponent_bytes, 0)
     tl.store(scale_ptr[:, None] + kk[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
 
-    code = tl.where(finite[:, None], _bf16_bits(rope), 0x7FC0)
+    code = tl.where(finite[:, None], _bf16_bits(rope, HW), 0x7FC0)
     rope_bytes = tl.reshape(tl.join(code & 0xFF, code >> 8), (BLOCK_T, 2 * _ROPE_DIM))  # little-endian
     rb = tl.arange(0, 2 * _ROPE_DIM)
     tl.store(data_ptr[:, None] + _NOPE_DIM + rb[None, :], rope_bytes.to(tl.uint8), mask=live[:, None])
@@ -192,7 +213,7 @@ def _e4m3_value(code):
     return ((code & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
-def _v41_fp8(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+def _v41_fp8(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
     """V4.1 FP8 of ``values [BT, WIDTH]``: per group of 32, ``e = ceil(log2(max(amax / 448,
     1e-4)))`` from the quotient's bits; codes ``e4m3(x * 2^-e)`` (RNE, exact scaling), bytes
     ``e + 127``. Returns ``(codes [BT, WIDTH], scale bytes [BT, WIDTH // 32])`` (int32)."""
@@ -201,17 +222,17 @@ def _v41_fp8(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
     bits = q.to(tl.int32, bitcast=True)
     e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-    codes = _e4m3fn_bits(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)))
+    codes = _e4m3fn_bits(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)), HW)
     return codes, e + _BIAS
 
 
-def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
     """V4.1 FP4 of ``values [BT, WIDTH]``: per group of 16, scale ``s = e4m3(clamp(amax / 6, 2^-9,
     448))`` (RNE); codes e2m1 of ``x / s`` (IEEE division; ties to even, saturating at 6, the sign
     bit kept). Returns ``(codes [BT, WIDTH] 0..15, scale bytes [BT, WIDTH // 16])`` (int32)."""
     groups = tl.reshape(values, (BLOCK_T, WIDTH // 16, 16))
     amax = tl.max(tl.abs(groups), axis=2)
-    scale_code = _e4m3fn_bits(tl.minimum(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), _FP8_MAX))
+    scale_code = _e4m3fn_bits(tl.minimum(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), _FP8_MAX), HW)
     v = tl.div_rn(groups, _e4m3_value(scale_code)[:, :, None])
     a = tl.abs(v)
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -220,15 +241,15 @@ def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
     return tl.reshape(code, (BLOCK_T, WIDTH)), scale_code
 
 
-def _v41_bytes(values, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+def _v41_bytes(values, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
     """``values [BT, WIDTH]`` as V4.1 data bytes (``[BT, WIDTH]`` FP8, ``[BT, WIDTH // 2]`` FP4:
     the even-indexed value in the low nibble) and scale bytes, int32."""
     if FP4:
-        codes, scales = _v41_fp4(values, WIDTH, BLOCK_T)
+        codes, scales = _v41_fp4(values, WIDTH, BLOCK_T, HW)
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, WIDTH // 2, 2)))
         data = lo | (hi << 4)
     else:
-        data, scales = _v41_fp8(values, WIDTH, BLOCK_T)
+        data, scales = _v41_fp8(values, WIDTH, BLOCK_T, HW)
     return data, scales
 
 
@@ -237,7 +258,7 @@ def _store_v41_kernel(
     num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
     positions_stride, out_loc_stride, page_stride, eps,
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, FP4: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HW: tl.constexpr,
 ):
     """V4.1 (528-byte FP8 or 288-byte ``FP4`` tokens, block-split or ``INTERLEAVED`` pages):
     ``FUSED``: norm, bf16, RoPE on dims 448..511, bf16, then all 512 dims quantized; else the
@@ -266,15 +287,15 @@ def _store_v41_kernel(
     x = tl.load(row_ptr[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     if FUSED:
         y, inv, rstd = _normed(x, weight_ptr, weight_stride, eps, _HEAD_DIM)
-        y = _round_bf16(y)
+        y = _round_bf16(y, HW)
         rope = _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
-                          freqs_stride1, pos, True, True, BLOCK_T)
-        finite = _all_finite(y, d[None, :] < _NOPE_DIM) & _all_finite(rope, tl.arange(0, _ROPE_DIM)[None, :] >= 0)
+                          freqs_stride1, pos, True, True, BLOCK_T, HW)
+        finite = _all_finite(y, _NOPE_DIM) & _all_finite(rope, _ROPE_DIM)
     else:
         y = x
-        finite = _all_finite(y, d[None, :] >= 0)
+        finite = _all_finite(y, _HEAD_DIM)
 
-    data, scales = _v41_bytes(y, FP4, _HEAD_DIM, BLOCK_T)
+    data, scales = _v41_bytes(y, FP4, _HEAD_DIM, BLOCK_T, HW)
     nan_data: tl.constexpr = 0x00 if FP4 else 0x7F  # the NaN token: FP4 codes 0 with NaN scales
     nan_scale: tl.constexpr = 0x7F if FP4 else 0xFF
     data = tl.where(finite[:, None], data, nan_data)
@@ -286,7 +307,7 @@ def _store_v41_kernel(
     tl.store(data_ptr[:, None] + b[None, :], data.to(tl.uint8), mask=live[:, None] & (b[None, :] < data_end))
     tl.store(scale_ptr[:, None] + g[None, :], scales.to(tl.uint8), mask=live[:, None] & (g[None, :] < scales_end))
     if FUSED:  # the RoPE dims' own groups
-        rope_data, rope_scales = _v41_bytes(rope, FP4, _ROPE_DIM, BLOCK_T)
+        rope_data, rope_scales = _v41_bytes(rope, FP4, _ROPE_DIM, BLOCK_T, HW)
         rope_data = tl.where(finite[:, None], rope_data, nan_data)
         rope_scales = tl.where(finite[:, None], rope_scales, nan_scale)
         rb = tl.arange(0, DATA - NOPE_DATA)
@@ -296,7 +317,7 @@ def _store_v41_kernel(
 
 
 _JITTED = (
-    "_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims", "_all_finite",
+    "_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims", "_max_nan", "_all_finite",
     "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
@@ -312,15 +333,34 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         return
     fmt = layout.cache_format(kv_format)
     if fmt.is_v4:
-        kernel, formats = _store_kernel, {}
+        kernel, formats, warps = _store_kernel, {}, NUM_WARPS["v4"]
     else:
         kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
+        warps = NUM_WARPS[fmt.values]
     kernels(kernel)[(triton.cdiv(num_tokens, BLOCK_T),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride(0), kv_weight.stride(0), freqs.stride(0), freqs.stride(1),
         positions.stride(0), out_loc.stride(0), kvcache.stride(0), eps,
-        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, num_warps=NUM_WARPS,
+        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, HW=hardware_conversions(kv.device, kernel),
+        num_warps=warps,
     )
+
+
+_HARDWARE_CONVERSIONS: dict = {}  # device -> bool
+
+
+def hardware_conversions(device: torch.device, kernel) -> bool:
+    """Whether the store rounds to fp8 / bf16 with the GPU's conversion instructions (``cvt.rn``:
+    round to nearest even, the integer path's bits): NVIDIA GPUs of compute capability 8.9 or
+    later (Ada, Hopper, Blackwell), compiled, not interpreted. Elsewhere (SM80, XPU, ROCm,
+    ``TRITON_INTERPRET=1``) the kernels round in integer arithmetic. Decided once per device."""
+    hw = _HARDWARE_CONVERSIONS.get(device)
+    if hw is None:
+        hw = _HARDWARE_CONVERSIONS[device] = (
+            device.type == "cuda" and torch.version.hip is None and not triton_common.interpreting(kernel)
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+        )
+    return hw
 
 
 def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format="v4") -> tuple:
