@@ -12,10 +12,12 @@ a token whose values are not all finite is stored as the NaN token (layout.NAN_D
 layout.NAN_SCALE_RECORD), as the reference does; written as bytes: the 576-byte data record at ``page*S + off*576``, the 8-byte scale record
 (``e + 127`` x 7, then a 0 pad byte) at ``page*S + P*576 + off*8``; negative slots write nothing.
 
-Rounding is done in integer arithmetic on the fp32 bit patterns (no fp8 dtype, no
-architecture-specific instruction), so the kernel runs on any GPU Triton targets and produces the
-reference's bytes given the same ``y``; ``y`` itself may differ from the reference's in the last
-fp32 bit (reduction order, ``rsqrt``), which can move a rounding tie.
+Rounding: on NVIDIA GPUs of compute capability 8.9+ by the conversion instructions (fp8 and bf16
+``cvt.rn``; :func:`hardware_conversions`), elsewhere (SM80, XPU, ROCm, the interpreter) in integer
+arithmetic on the fp32 bit patterns; both give the same bits, round to nearest even, so the
+kernel runs on any GPU Triton targets and produces the reference's bytes given the same ``y``;
+``y`` itself may differ from the reference's in the last fp32 bit (reduction order, ``rsqrt``),
+which can move a rounding tie.
 
 Importing this module imports no Triton: the kernel functions below are plain Python until the
 provider first loads (:func:`_triton`), which imports Triton and jits them in place; so
@@ -40,7 +42,7 @@ from . import triton_common
 OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
 NAME = "triton"
-#: Launch geometry: tokens per program (a power of two), and warps per program by the values'
+#: Launch geometry: tokens per program (a power of two), and warps per program by the values
 #: format: the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens);
 #: the FP4 path, with more arithmetic per value, needs more threads per token.
 BLOCK_T = 4
