@@ -1,0 +1,91 @@
+"""Instructions the Triton cache store issues per token, counted from the PTX Triton emits; no GPU needed.
+
+    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0]
+
+The store kernels have no loops, so the PTX instruction count of one program, times its warps,
+divided by its tokens, is what the kernel issues per token (warp-instructions; predicated-off
+instructions included). On the H200 the V4 store was bound by instruction issue (benchmarks/
+RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per cycle,
+65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
+
+For each format, geometry (tokens x warps per program; ``*`` = the kernel's default) and rounding
+path (``cvt``: the conversion instructions used on SM89+; ``int``: integer arithmetic), compiled
+for ``--arch`` (compute capability x 10) with pointers 16-byte aligned and strides divisible by 16
+(as Triton specialises the real launch). ``--top N`` also lists the N most frequent instructions
+of the default geometry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+from dsv4_compile import layout
+from dsv4_compile.kernels import triton_store
+
+GEOMETRIES = [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]
+#: the kernels' runtime arguments: Triton signature types
+ARGUMENTS = {
+    "kv_ptr": "*bf16", "weight_ptr": "*bf16", "freqs_ptr": "*fp32", "positions_ptr": "*i64",
+    "out_loc_ptr": "*i64", "cache_ptr": "*u8", "num_tokens": "i32", "kv_stride": "i32",
+    "weight_stride": "i32", "freqs_stride0": "i32", "freqs_stride1": "i32", "positions_stride": "i32",
+    "out_loc_stride": "i32", "page_stride": "i32", "eps": "fp32",
+}
+ALIGNED = ("kv_ptr", "weight_ptr", "freqs_ptr", "positions_ptr", "out_loc_ptr", "cache_ptr", "kv_stride",
+           "freqs_stride0", "page_stride")
+INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
+
+
+def ptx(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    triton_store._triton()
+    fmt = layout.cache_format(kv_format)
+    constexprs = {"PAGE_SIZE": 256, "BLOCK_T": block_t, "FUSED": True, "HW": hardware}
+    if fmt.is_v4:
+        kernel = triton_store._store_kernel
+    else:
+        kernel = triton_store._store_v41_kernel
+        constexprs.update(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
+    signature = {**ARGUMENTS, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return compiled.asm["ptx"]
+
+
+def count(text: str) -> collections.Counter:
+    return collections.Counter(INSTRUCTION.findall(text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
+    parser.add_argument("--formats", nargs="+", default=["v4", "v4.1-fp8", "v4.1-fp4"])
+    parser.add_argument("--top", type=int, default=0, help="list the N most frequent instructions")
+    args = parser.parse_args()
+    print(f"sm_{args.arch}: warp-instructions per token (PTX, one program x warps / tokens)")
+    print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}")
+    for kv_format in args.formats:
+        fmt = layout.cache_format(kv_format)
+        default = (triton_store.BLOCK_T, triton_store.NUM_WARPS["v4" if fmt.is_v4 else fmt.values])
+        for block_t, warps in GEOMETRIES:
+            per_token = [
+                sum(count(ptx(kv_format, block_t, warps, hw, args.arch)).values()) * warps // block_t
+                for hw in ((True, False) if args.arch >= 89 else (False,))
+            ]
+            cvt, integer = (per_token if len(per_token) == 2 else ("-", per_token[0]))
+            mark = "*" if (block_t, warps) == default else " "
+            print(f"{kv_format:<22} {f'{block_t}x{warps}{mark}':>9} {cvt:>6} {integer:>6}")
+        if args.top:
+            hw = args.arch >= 89
+            for name, n in count(ptx(kv_format, *default, hw, args.arch)).most_common(args.top):
+                print(f"    {n:>5} {name}")
+
+
+if __name__ == "__main__":
+    main()
