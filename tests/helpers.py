@@ -194,3 +194,15 @@ def assert_garbage_is_invisible(run, heads: int, byte: int) -> None:
         dirty = run(op, *poison(args, byte))
         assert clean[0].isfinite().all(), op
         assert all(torch.equal(a, b) for a, b in zip(clean, dirty)), op
+
+
+def assert_same_choices_but_near_ties(logits, chosen, other, margin: float) -> None:
+    """``other``'s greedy tokens are ``chosen``'s (the run whose ``logits`` of every step these
+    are), except where ``other``'s token lies within ``margin`` of the top logit: a near-tie that
+    two computations rounding differently (compiled vs eager, sharded vs not, chunked vs one step)
+    may break either way. Compare runs fed the same tokens (``generate(..., follow=...)``)."""
+    from dsv4_compile.generation import choice_margins
+
+    margins = choice_margins(logits, chosen, other)
+    assert max(margins, default=0.0) <= margin, f"choices differ {margins} below the top logit: {chosen} vs {other}"
+

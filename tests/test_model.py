@@ -22,6 +22,7 @@ from dsv4_compile.models import (
     step_inputs,
     tiny_config,
 )
+from helpers import assert_same_choices_but_near_ties
 from test_block import assert_no_cache_copy
 
 CFG = tiny_config(sliding_window=32)
@@ -43,11 +44,12 @@ def make_model(device="cpu", kv_format="v4", fp4_ratios=()) -> DeepseekV4Model:
     return DeepseekV4Model(CFG, cache, seed=0, device=device)
 
 
-def run_generation(model, decode, device="cpu"):
-    """Greedy tokens and per-step logits; prefill eager, decode through ``decode``."""
+def run_generation(model, decode, device="cpu", follow=None):
+    """Greedy tokens and per-step logits; prefill eager, decode through ``decode`` (fed
+    ``follow``'s tokens if given)."""
     logits = []
     with torch.no_grad():
-        tokens = generate(model, decode, prompts(), STEPS, device, on_step=lambda s, l: logits.append(l))
+        tokens = generate(model, decode, prompts(), STEPS, device, on_step=lambda s, l: logits.append(l), follow=follow)
     return tokens, logits
 
 
@@ -102,18 +104,19 @@ def test_chunked_prefill_equals_one_prefill(chunk_tokens):
     """Steps of at most ``chunk_tokens`` tokens (a prompt split across steps, several prompts in
     one step) give each prompt's last logits of one prefill step, within bf16 noise (the steps
     round the same values in other groupings), and, decoding from the caches and states those
-    steps wrote, the same greedy continuation."""
+    steps wrote, the same greedy choices on the same tokens (but at near-ties)."""
     model = make_model()
+    want_logits = []
     with torch.no_grad():
         want = prefill_prompts(model, prompts(), "cpu")
         model.reset_caches()
-        want_tokens = generate(model, model, prompts(), STEPS, "cpu")
+        want_tokens = generate(model, model, prompts(), STEPS, "cpu", on_step=lambda s, l: want_logits.append(l))
         model.reset_caches()
         got = prefill_prompts(model, prompts(), "cpu", chunk_tokens=chunk_tokens)
         model.reset_caches()
-        got_tokens = generate(model, model, prompts(), STEPS, "cpu", chunk_tokens=chunk_tokens)
+        got_tokens = generate(model, model, prompts(), STEPS, "cpu", chunk_tokens=chunk_tokens, follow=want_tokens)
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
-    assert got_tokens == want_tokens
+    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, margin=0.1)
 
 
 def test_generate_follows_given_tokens():
@@ -151,8 +154,10 @@ def test_choice_margins_say_how_far_below_the_top_a_differing_choice_lies():
 
 @pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
 def test_compiled_decode_generates_what_eager_generates(kv_format):
-    """Inductor: the decode step calls the dsv4 ops, copies no cache, and generates the eager
-    tokens (logits within bf16 noise: Inductor reorders float32 reductions), for every cache format."""
+    """Inductor: the decode step calls the dsv4 ops, copies no cache, and, fed the eager run's
+    tokens, gives its logits within bf16 noise (Inductor reorders float32 reductions, and its
+    vector code rounds differently by CPU) and its greedy choices but at near-ties, for every
+    cache format."""
     eager = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager)
@@ -168,15 +173,15 @@ def test_compiled_decode_generates_what_eager_generates(kv_format):
         codes.extend(code)
         return out
 
-    got_tokens, got_logits = run_generation(compiled_model, decode)
+    got_tokens, got_logits = run_generation(compiled_model, decode, follow=want_tokens)
     code = "\n".join(codes)
     for op in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "get_mla_metadata"):
         assert f"torch.ops.dsv4.{op}.default" in code, op
     for layer in compiled_model.layers:
         assert_no_cache_copy(code, layer.attn)
-    assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, margin=0.2)
 
 
 def test_decode_batch_size_changes_recompile_at_most_once():
