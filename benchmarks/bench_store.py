@@ -15,6 +15,7 @@ Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--to
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import torch
 import triton.testing
@@ -52,16 +53,11 @@ def median_ms(fn) -> float:
 def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
     """The kernel at a launch geometry; ``hardware=False``: rounding in integer arithmetic even
     where the conversion instructions are used (``triton_store.hardware_conversions``)."""
-    saved = triton_store.BLOCK_T, triton_store.NUM_WARPS, dict(triton_store._HARDWARE_CONVERSIONS)
-    triton_store.BLOCK_T, triton_store.NUM_WARPS = block_t, {**saved[1], "v4": num_warps}
-    if hardware is not None:
-        triton_store._HARDWARE_CONVERSIONS[args[0].device] = hardware
-    try:
+    forced = {} if hardware is None else {args[0].device: hardware}
+    with mock.patch.object(triton_store, "BLOCK_T", block_t), \
+            mock.patch.dict(triton_store.NUM_WARPS, v4=num_warps), \
+            mock.patch.dict(triton_store._HARDWARE_CONVERSIONS, forced):
         return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))  # Triton's own launcher
-    finally:
-        triton_store.BLOCK_T, triton_store.NUM_WARPS = saved[:2]
-        triton_store._HARDWARE_CONVERSIONS.clear()
-        triton_store._HARDWARE_CONVERSIONS.update(saved[2])
 
 
 def main() -> None:
@@ -86,7 +82,7 @@ def main() -> None:
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
             args = inputs(num_tokens, scattered)
-            default = (triton_store.BLOCK_T, triton_store.NUM_WARPS["v4"])
+            default = (triton_store.BLOCK_T, triton_store.num_warps(layout.V4))
             rows = [
                 (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
                 for bt, nw in GEOMETRIES

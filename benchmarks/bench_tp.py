@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts, random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Config, DeepseekV4Model, tiny_config
-from dsv4_compile.models.parallel import TensorParallel
+from dsv4_compile.models.parallel import all_reduces_in, torchrun_group
 
 from bench_step import copy_rate, decode_bytes, step_ms, sync  # this directory's benchmark
 
@@ -50,13 +49,6 @@ def build(args, device, tp) -> DeepseekV4Model:
         config = DeepseekV4Config(num_hidden_layers=4, vocab_size=32000)
         cache = CacheConfig(max_requests=requests, max_seq_len=2048, page_size=256)
     return DeepseekV4Model(config, cache, seed=0, device=device, tp=tp)
-
-
-def all_reduces(fn, inputs) -> int:
-    """The all-reduces in the graph ``torch._dynamo.explain`` traces of ``fn(**inputs)``."""
-    explanation = torch._dynamo.explain(fn)(**inputs, mode="decode")
-    return sum(1 for g in explanation.graphs for n in g.graph.nodes
-               if n.op == "call_function" and "all_reduce" in str(n.target))
 
 
 @torch.no_grad()
@@ -80,7 +72,7 @@ def run(args, device, tp) -> dict:
 
     decode = {b: {} for b in args.batches}
     inputs = {b: decode_inputs(Batch([t + [1] for t in texts[:b]]), device) for b in args.batches}
-    report["all_reduce_count"] = all_reduces(model, inputs[args.batches[0]])
+    report["all_reduce_count"] = all_reduces_in(torch._dynamo.explain(model)(**inputs[args.batches[0]], mode="decode").graphs)
     for mode, kwargs in MODES.items():
         if mode == "reduce-overhead" and device.type != "cuda":
             continue
@@ -141,29 +133,14 @@ def main() -> dict | None:
     if args.quick:
         args.device, args.prompt, args.chunk, args.calls, args.batches = "cpu", 150, 128, 2, "1,2"
     args.batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        report = run(args, device, TensorParallel.from_group())
-        if dist.get_rank() == 0:
+    with torchrun_group(args.device) as (device, tp):
+        report = run(args, device, tp)
+        if tp.rank == 0:
             text = json.dumps(report, indent=1)
             print(text, flush=True)
             if args.json:
                 Path(args.json).write_text(text)
-    finally:
-        shutdown(device)
     return report
-
-
-def shutdown(device) -> None:
-    """Free the compiled steps (their CUDA graphs hold NCCL work) on every rank, then the group."""
-    torch._dynamo.reset()
-    sync(device)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

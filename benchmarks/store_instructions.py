@@ -71,8 +71,7 @@ def main() -> None:
     print(f"sm_{args.arch}: warp-instructions per token (PTX, one program x warps / tokens)")
     print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}")
     for kv_format in args.formats:
-        fmt = layout.cache_format(kv_format)
-        default = (triton_store.BLOCK_T, triton_store.NUM_WARPS["v4" if fmt.is_v4 else fmt.values])
+        default = (triton_store.BLOCK_T, triton_store.num_warps(layout.cache_format(kv_format)))
         for block_t, warps in GEOMETRIES:
             per_token = [
                 sum(count(ptx(kv_format, block_t, warps, hw, args.arch)).values()) * warps // block_t

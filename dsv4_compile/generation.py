@@ -135,7 +135,8 @@ def generate(
                          f"prompts, got lengths {[len(f) for f in follow]}")
     logits = prefill_prompts(prefill, prompts, device, chunk_tokens)
     chosen = [[t] for t in logits.argmax(-1).tolist()]
-    batch = Batch([list(p) + (c if follow is None else list(f[:1])) for p, c, f in zip(prompts, chosen, follow or chosen)])
+    fed = chosen if follow is None else follow  # the token fed after step s: fed[r][s]
+    batch = Batch([list(p) + [f[0]] for p, f in zip(prompts, fed)])
     if on_step is not None:
         on_step(0, logits)
     for step in range(1, steps + 1):
@@ -144,10 +145,8 @@ def generate(
             on_step(step, logits)
         for r, t in enumerate(logits.argmax(-1).tolist()):
             chosen[r].append(t)
-            if follow is None:
-                batch.tokens[r].append(t)
-            elif step < steps:
-                batch.tokens[r].append(follow[r][step])
+            if step < steps:
+                batch.tokens[r].append(fed[r][step])
     return chosen
 
 

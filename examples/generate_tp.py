@@ -28,20 +28,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import dsv4_compile as d4
 from dsv4_compile.generation import choice_margins, random_prompts
-from dsv4_compile.models.parallel import TensorParallel
+from dsv4_compile.models.parallel import all_reduces_in, torchrun_group
 from generate import PROMPT_LENGTHS, make_model, measure, parser, run  # this directory's example
-
-
-def all_reduces(graphs) -> int:
-    """The all-reduce calls in traced graphs."""
-    return sum(
-        1 for graph in graphs for node in graph.graph.nodes
-        if node.op == "call_function" and "all_reduce" in str(node.target)
-    )
 
 
 def main() -> dict:
@@ -50,23 +41,11 @@ def main() -> dict:
     args = p.parse_args()
     if "RANK" not in os.environ:
         sys.exit("launch with torchrun: torchrun --nproc-per-node N examples/generate_tp.py")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        return _run(args, device)
-    finally:  # free the compiled steps (their CUDA graphs hold NCCL work) on every rank, then the group
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        dist.destroy_process_group()
+    with torchrun_group(args.device) as (device, tp):
+        return _run(args, device, tp)
 
 
-def _run(args, device) -> dict:
-    tp = TensorParallel.from_group()
+def _run(args, device, tp) -> dict:
     steps = max(args.steps, 2)
     model = make_model(args.kv_format, device, tp=tp)
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
@@ -83,7 +62,7 @@ def _run(args, device) -> dict:
         "kv_format": args.kv_format,
         "prefill_chunk": args.chunk,
         **measured,
-        "all_reduce_count": all_reduces(details["graphs"]),
+        "all_reduce_count": all_reduces_in(details["graphs"]),
         "tokens_equal_compiled": details["tokens_match"],
         "compiled_margin_where_tokens_differ": details["compiled_margin"],
         "tokens_equal_tp1": details["tokens"] == tp1_tokens,

@@ -381,17 +381,23 @@ def test_rounding_helpers_are_exact(device, hardware):
     assert torch.equal(exponent[normal], reference.ue8m0_exponent(x.abs())[normal].int())
 
 
-def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions():
+def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypatch):
     """The conversion instructions are used on CUDA devices of compute capability 8.9+ with
-    compiled kernels; never on CPU or under the interpreter (whose fp8 casts are numpy's)."""
+    compiled kernels; not on SM80, ROCm, CPU, or under the interpreter (whose fp8 casts are
+    numpy's). Decided from the device's capability (here a stand-in SM90 and SM80)."""
     triton_store._triton()
     kernel = triton_store._store_kernel
+    capabilities = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device.index])
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(triton_store, "_HARDWARE_CONVERSIONS", {})
+    assert triton_store.hardware_conversions(torch.device("cuda", 0), kernel) == (not INTERPRETED)
+    assert not triton_store.hardware_conversions(torch.device("cuda", 1), kernel)
     assert not triton_store.hardware_conversions(torch.device("cpu"), kernel)
-    if INTERPRETED:
-        assert not triton_store.hardware_conversions(torch.device("cuda", 0), kernel)
-    elif torch.cuda.is_available():
-        want = torch.version.hip is None and torch.cuda.get_device_capability(0) >= (8, 9)
-        assert triton_store.hardware_conversions(torch.device("cuda", 0), kernel) == want
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(triton_store, "_HARDWARE_CONVERSIONS", {})
+    assert not triton_store.hardware_conversions(torch.device("cuda", 0), kernel)
 
 
 # --------------------------------------------------------------------------------------------

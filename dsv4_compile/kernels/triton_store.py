@@ -335,17 +335,21 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         return
     fmt = layout.cache_format(kv_format)
     if fmt.is_v4:
-        kernel, formats, warps = _store_kernel, {}, NUM_WARPS["v4"]
+        kernel, formats = _store_kernel, {}
     else:
         kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
-        warps = NUM_WARPS[fmt.values]
     kernels(kernel)[(triton.cdiv(num_tokens, BLOCK_T),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride(0), kv_weight.stride(0), freqs.stride(0), freqs.stride(1),
         positions.stride(0), out_loc.stride(0), kvcache.stride(0), eps,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, HW=hardware_conversions(kv.device, kernel),
-        num_warps=warps,
+        num_warps=num_warps(fmt),
     )
+
+
+def num_warps(fmt: layout.CacheFormat) -> int:
+    """Warps per program of the store of cache format ``fmt`` (:data:`NUM_WARPS`)."""
+    return NUM_WARPS["v4" if fmt.is_v4 else fmt.values]
 
 
 _HARDWARE_CONVERSIONS: dict = {}  # device -> bool

@@ -22,6 +22,9 @@ unsharded model.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,3 +94,36 @@ def full_shape(shape: torch.Size, tp: TensorParallel, dim: int) -> tuple[int, ..
 def take_shard(full: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     """The rank's contiguous part of ``full`` along ``dim``."""
     return full.chunk(tp.size, dim)[tp.rank]
+
+
+@contextmanager
+def torchrun_group(device) -> Iterator[tuple[torch.device, TensorParallel]]:
+    """In a process ``torchrun`` launched: this rank's device (``device``; on CUDA the GPU
+    ``LOCAL_RANK``, made current), the default process group (NCCL on CUDA, gloo otherwise) and
+    the rank's :class:`TensorParallel`. On exit, on every rank: the compiled functions are freed
+    (their CUDA graphs hold the group's collectives, and destroying the group under them can hang),
+    then the device and the other ranks are waited for, then the group is destroyed."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield device, TensorParallel.from_group()
+    finally:
+        torch._dynamo.reset()
+        if device.type != "cpu":
+            torch.get_device_module(device).synchronize(device)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduces_in(graphs) -> int:
+    """The all-reduce calls in traced FX graphs (e.g. ``torch._dynamo.explain(...).graphs``)."""
+    return sum(
+        1 for graph in graphs for node in graph.graph.nodes
+        if node.op == "call_function" and "all_reduce" in str(node.target)
+    )
+
