@@ -5,8 +5,11 @@
     python benchmarks/bench_overhead.py plot after.json out.png [before.json]  # a plot of saved runs
 
 Host time per call is the wall time of a long loop of non-blocking calls divided by the calls
-(median of 7 loops of 200 calls, synchronised once per loop): at these sizes the launches, not the
-GPU, bound the loop, so this is what an eager engine step pays per call. Per op and size:
+(200 calls, synchronised once after the loop): at these sizes the launches, not the GPU, bound the
+loop, so this is what an eager engine step pays per call. The variants of a case (ours, the raw op,
+the library's wrapper) take turns, one loop each per round, and each reports its median over 15
+rounds: drift of the machine (clocks, other processes) falls on all of them alike, so their
+ratios compare like with like. Per op and size:
 
 * decode (H=64, SWA 128 + c4 512 keys per row, T rows in 1 / 8 / 64 / 256; scheduler computed
   inside): ``ours`` = ``dsv4_compile.flash_mla_with_kvcache``; ``raw_op`` =
@@ -41,19 +44,22 @@ from dsv4_compile import dispatch, layout, ops
 SCALE = layout.HEAD_DIM**-0.5
 
 
-def host_us(fn, sync, calls: int = 200, runs: int = 7) -> float:
-    """Median wall microseconds per call of ``calls`` back-to-back calls of ``fn``."""
-    for _ in range(20):
-        fn()
-    sync()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
+def host_us(variants: dict, sync, calls: int = 200, rounds: int = 15) -> dict:
+    """``{name: median wall microseconds per call}`` of each of ``variants`` (``{name: fn}``),
+    timed in turns (see the module docstring)."""
+    for fn in variants.values():
+        for _ in range(20):
             fn()
-        sync()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    sync()
+    samples = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def decode_inputs(rows: int, device: str) -> tuple:
@@ -189,8 +195,8 @@ def main(argv=None) -> dict:
     rows = []
     with torch.inference_mode():
         for op, size, ours, raws in cases(device, raw):
-            row = {"op": op, "size": size, "ours_us": host_us(ours, sync)}
-            row.update({f"{name}_us": host_us(fn, sync) for name, fn in raws.items()})
+            timed = host_us({"ours": ours, **raws}, sync)
+            row = {"op": op, "size": size, **{f"{name}_us": us for name, us in timed.items()}}
             rows.append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)

@@ -34,7 +34,13 @@ CHECKED_ENV = "DSV4_COMPILE_CHECKED"
 #: far below where int32 slot arithmetic or a kernel's workspace would break. Wider is rejected
 #: before anything is allocated (e.g. a stride-0 ``expand`` to 2^31 columns).
 MAX_INDEX_WIDTH = 1 << 20
-_state = threading.local()  # .checked: the innermost checked()'s flag
+
+
+class _ThreadState(threading.local):
+    checked = None  # the innermost checked()'s flag on this thread (a class default: a fast read)
+
+
+_state = _ThreadState()
 _env_checked = False  # DSV4_COMPILE_CHECKED, as last read
 
 
@@ -47,7 +53,7 @@ def read_environment() -> None:
 def checked_mode() -> bool:
     """Whether data checks run on device kernels (see module docstring): the innermost
     :func:`checked` block, else ``DSV4_COMPILE_CHECKED`` as read at import or ``dispatch.reset()``."""
-    flag = getattr(_state, "checked", None)
+    flag = _state.checked
     return _env_checked if flag is None else flag
 
 
@@ -59,7 +65,7 @@ def checked(enabled: bool = True) -> Iterator[None]:
     already compiled function alike (except Triton launches traced into a graph: see the README).
     Checked mode syncs the device: do not capture CUDA graphs in it.
     """
-    previous = getattr(_state, "checked", None)
+    previous = _state.checked
     _state.checked = enabled
     try:
         yield
@@ -110,18 +116,18 @@ class Checker:
         like = ", ".join(arg for arg, d in placed if d == majority)
         raise ValueError(f"dsv4.{self.op}: {odd} must be on {majority} like {like}, got {got}")
 
-    def tensor(self, arg: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int | None]) -> torch.Tensor:
-        """Check type, dtype, rank and sizes (``None`` = any) of one tensor argument."""
-        try:
+    def tensor(self, arg: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[int | None]) -> torch.Size:
+        """Check type, dtype, rank and sizes (``None`` = any) of one tensor argument; its sizes."""
+        if isinstance(t, torch.Tensor) and t.dtype in dtypes:
             size = t.shape
-            if t.dtype in dtypes and len(size) == len(shape):
-                for i, want in enumerate(shape):
+            if len(size) == len(shape):
+                i = 0
+                for want in shape:
                     if want is not None and want != size[i]:
                         break
+                    i += 1
                 else:
-                    return t
-        except AttributeError:  # not a tensor: said below
-            pass
+                    return size
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
         dims = ", ".join("*" if n is None else str(n) for n in shape)
         expected = f"{names} [{dims}]"
@@ -129,24 +135,22 @@ class Checker:
             self.fail(arg, f"a tensor {expected}", t, TypeError)
         self.fail(arg, expected, t, TypeError if t.dtype not in dtypes else ValueError)
 
-    def optional(self, arg, t, dtypes, shape) -> None:
-        if t is not None:
-            self.tensor(arg, t, dtypes, shape)
-
     def positive_int(self, arg: str, value) -> int:
         if type(value) is not int or value < 1:  # bool is no int here
             self.fail(arg, "a positive int", value)
         return value
 
-    def width(self, arg: str, t: torch.Tensor) -> int:
-        """The index width (last dim) of ``t``, at most :data:`MAX_INDEX_WIDTH`."""
-        if t.shape[-1] > MAX_INDEX_WIDTH:
+    def width(self, arg: str, t: torch.Tensor, size: torch.Size) -> int:
+        """The index width of ``t`` (the last of its checked sizes ``size``), at most
+        :data:`MAX_INDEX_WIDTH`."""
+        width = size[-1]
+        if width > MAX_INDEX_WIDTH:
             self.fail(arg, f"at most {MAX_INDEX_WIDTH} index columns wide", t)
-        return t.shape[-1]
+        return width
 
     def kv_format(self, arg: str, name) -> layout.CacheFormat:
         """One of ``layout.FORMATS``, by name."""
-        fmt = layout.FORMATS.get(name) if isinstance(name, str) else None
+        fmt = layout.FORMATS.get(name) if type(name) is str else None
         if fmt is None:
             self.fail(arg, f"one of {list(layout.FORMATS)}", name)
         return fmt
@@ -154,15 +158,10 @@ class Checker:
     def cache(self, arg: str, cache, page_size: int, fmt: layout.CacheFormat = layout.V4) -> None:
         """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * token bytes."""
         token = fmt.token_bytes
-        if (
-            isinstance(cache, torch.Tensor)
-            and cache.dtype == torch.uint8
-            and cache.dim() == 2
-            and cache.shape[0] >= 1
-            and cache.shape[1] >= page_size * token
-            and cache.is_contiguous()
-        ):
-            return
+        if isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8 and cache.is_contiguous():
+            size = cache.shape
+            if len(size) == 2 and size[0] >= 1 and size[1] >= page_size * token:
+                return
         expected = (
             f"the uint8 base cache tensor [num_pages, >= page_size*{token}={page_size * token}] "
             f"({fmt.name})"
@@ -251,16 +250,14 @@ _METADATA = Checker("get_mla_metadata")
 def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> int:
     c = _STORE
     c.same_device(_STORE_TENSORS, kv, kv_weight, freqs, positions, out_loc, kvcache)
-    c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))
-    num_tokens = kv.shape[0]
+    num_tokens = c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))[0]
     if kv.stride(1) != 1:
         c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
     c.tensor("kv_weight", kv_weight, (kv.dtype,), (layout.HEAD_DIM,))
     c.tensor("freqs", freqs, _F32, (None, layout.ROPE_DIM))
     c.tensor("positions", positions, _INDEX_DTYPES, (num_tokens,))
     c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
-    c.positive_int("page_size", page_size)
-    c.cache("kvcache", kvcache, page_size, c.kv_format("kv_format", kv_format))
+    c.cache("kvcache", kvcache, c.positive_int("page_size", page_size), c.kv_format("kv_format", kv_format))
     if type(eps) is not float or not eps >= 0.0:
         c.fail("eps", "a non-negative float", eps)
     return num_tokens
@@ -279,13 +276,11 @@ def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
 def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4") -> int:
     c = _QUANTIZE_STORE
     c.same_device(_QUANTIZE_STORE_TENSORS, kv, out_loc, kvcache)
-    c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))
-    num_tokens = kv.shape[0]
+    num_tokens = c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))[0]
     if kv.stride(1) != 1:
         c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
     c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
-    c.positive_int("page_size", page_size)
-    c.cache("kvcache", kvcache, page_size, c.kv_format("kv_format", kv_format))
+    c.cache("kvcache", kvcache, c.positive_int("page_size", page_size), c.kv_format("kv_format", kv_format))
     return num_tokens
 
 
@@ -304,17 +299,17 @@ def check_decode(
         _DECODE_TENSORS, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
         extra_topk_length, tile_scheduler_metadata, num_splits,
     )
-    c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
-    batch, s_q, heads = q.shape[:3]
+    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
     c.positive_int("page_size", page_size)
     fmt = c.kv_format("kv_format", kv_format)
     if fmt.values == "fp4":
         c.fail("kv_format", "an FP8 format for the main cache (FP4 serves only as the extra cache)", kv_format)
     c.cache("k_cache", k_cache, page_size, fmt)
-    c.tensor("indices", indices, _I32, (batch, s_q, None))
-    c.width("indices", indices)
-    c.optional("topk_length", topk_length, _I32, (batch,))
-    c.optional("attn_sink", attn_sink, _F32, (heads,))
+    c.width("indices", indices, c.tensor("indices", indices, _I32, (batch, s_q, None)))
+    if topk_length is not None:
+        c.tensor("topk_length", topk_length, _I32, (batch,))
+    if attn_sink is not None:
+        c.tensor("attn_sink", attn_sink, _F32, (heads,))
     if extra_k_cache is None:
         for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length),
                            ("extra_kv_format", extra_kv_format)):
@@ -329,9 +324,9 @@ def check_decode(
         c.cache("extra_k_cache", extra_k_cache, extra_page_size, extra_fmt)
         if extra_indices is None:
             c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
-        c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None))
-        c.width("extra_indices", extra_indices)
-        c.optional("extra_topk_length", extra_topk_length, _I32, (batch,))
+        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None)))
+        if extra_topk_length is not None:
+            c.tensor("extra_topk_length", extra_topk_length, _I32, (batch,))
     if (tile_scheduler_metadata is None) != (num_splits is None):
         c.fail(
             "tile_scheduler_metadata/num_splits", "both None or both tensors (from get_mla_metadata)",
@@ -364,15 +359,15 @@ def check_decode_data(
 def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
     c = _PREFILL
     c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
-    c.tensor("q", q, _BF16, (None, None, None))
-    s_q, heads, d_qk = q.shape
+    s_q, heads, d_qk = c.tensor("q", q, _BF16, (None, None, None))
     if d_qk not in layout.PREFILL_QK_DIMS:
         c.fail("q", f"bfloat16 [s_q, H, d_qk] with d_qk in {layout.PREFILL_QK_DIMS}", q)
     c.tensor("kv", kv, _BF16, (None, 1, d_qk))
-    c.tensor("indices", indices, _I32, (s_q, 1, None))
-    c.width("indices", indices)
-    c.optional("attn_sink", attn_sink, _F32, (heads,))
-    c.optional("topk_length", topk_length, _I32, (s_q,))
+    c.width("indices", indices, c.tensor("indices", indices, _I32, (s_q, 1, None)))
+    if attn_sink is not None:
+        c.tensor("attn_sink", attn_sink, _F32, (heads,))
+    if topk_length is not None:
+        c.tensor("topk_length", topk_length, _I32, (s_q,))
     if d_v != layout.HEAD_DIM:
         c.fail("d_v", f"{layout.HEAD_DIM} (V is the key's first 512 dims)", d_v)
     if type(sm_scale) is not float:
@@ -387,17 +382,16 @@ def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) ->
 def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
     c = _METADATA
     c.same_device(_METADATA_TENSORS, q, indices, topk_length, extra_indices, extra_topk_length)
-    c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
-    batch, s_q, heads = q.shape[:3]
-    c.tensor("indices", indices, _I32, (batch, s_q, None))
-    c.width("indices", indices)
-    c.optional("topk_length", topk_length, _I32, (batch,))
+    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
+    c.width("indices", indices, c.tensor("indices", indices, _I32, (batch, s_q, None)))
+    if topk_length is not None:
+        c.tensor("topk_length", topk_length, _I32, (batch,))
     if extra_indices is not None:
-        c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None))
-        c.width("extra_indices", extra_indices)
+        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None)))
     elif extra_topk_length is not None:
         c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
-    c.optional("extra_topk_length", extra_topk_length, _I32, (batch,))
+    if extra_topk_length is not None:
+        c.tensor("extra_topk_length", extra_topk_length, _I32, (batch,))
     return batch, s_q, heads
 
 

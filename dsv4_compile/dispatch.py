@@ -111,8 +111,12 @@ class _Registry:
     metadata_shapes: dict = field(default_factory=dict)  # device type -> shapes function
 
 
+class _ThreadState(threading.local):
+    forced = None  # the innermost use_provider's {op: name} on this thread (a class default: a fast read)
+
+
 _registry = _Registry()
-_local = threading.local()  # .forced: the innermost use_provider's {op: name}
+_local = _ThreadState()
 
 
 def _key(p: Provider) -> tuple:
@@ -207,7 +211,7 @@ def _forcing(forced: dict[str, str], where: str) -> dict[str, str]:
 def forced_providers() -> dict[str, str] | None:
     """The override in force on this thread: the innermost :func:`use_provider`, else the
     environment (as last read), else ``None``."""
-    return getattr(_local, "forced", None) or _registry.env_forced
+    return _local.forced or _registry.env_forced
 
 
 @contextlib.contextmanager
@@ -221,7 +225,7 @@ def use_provider(name: str, ops: tuple[str, ...] | None = None) -> Iterator[None
             expected = model(x)
     """
     forcing = _forcing({op: name for op in (ops or OPS)}, "use_provider")
-    previous = getattr(_local, "forced", None)
+    previous = _local.forced
     _local.forced = {**(previous or _registry.env_forced or {}), **forcing}
     try:
         yield
@@ -299,8 +303,9 @@ def _describe_call(call: tuple) -> str:
 
 def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> tuple[Callable, bool]:
     """``(kernel, run data checks)`` for a call with signature ``call`` (a plain tuple, the fields
-    of ``call_type``): the hot path, one dict lookup once resolved."""
-    forced = getattr(_local, "forced", None) or _registry.env_forced
+    of ``call_type``), resolved and cached (the trampolines of :func:`backend_kernel` read the
+    cache directly: one dict lookup per call once resolved)."""
+    forced = _local.forced or _registry.env_forced
     name = forced.get(op) if forced else None
     table = _registry.resolved[op]
     key = (device, call, name)
@@ -378,16 +383,22 @@ def direct_call_allowed(*tensors) -> bool:
     tensor a plain ``torch.Tensor`` on CPU, CUDA or XPU (``None`` skipped)."""
     if (
         torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._are_functorch_transforms_active()
-        or torch._C._autograd._profiler_enabled()
+        or _len_torch_dispatch_stack()
+        or _is_torch_function_mode_enabled()
+        or _are_functorch_transforms_active()
+        or _profiler_enabled()
     ):
         return False
     for t in tensors:
         if t is not None and (type(t) is not _Tensor or not (t.is_cuda or t.is_cpu or t.is_xpu)):
             return False
     return True
+
+
+_len_torch_dispatch_stack = torch._C._len_torch_dispatch_stack
+_is_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def backend_kernel(
@@ -416,11 +427,13 @@ def backend_kernel(
     """
     nargs = len(defaults)
     call_type, call_key = call
+    table = _registry.resolved[op]  # cleared in place, never replaced
+    is_grad_enabled, checked_mode = torch.is_grad_enabled, checks.checked_mode
 
     def kernel(*args):
         if len(args) < nargs:
             args = args + defaults[len(args):]
-        if torch.is_grad_enabled():
+        if is_grad_enabled():
             for i, name in grad_args:
                 if args[i] is not None and args[i].requires_grad:
                     raise RuntimeError(
@@ -431,8 +444,12 @@ def backend_kernel(
         device = args[0].device  # every op's first argument is a tensor
         if device_type is not None and device.type != device_type:
             device = torch.device(device_type, device.index if device.index is not None else 0)
-        provider_kernel, data = _lookup(op, device, call_type, call_key(args))
-        if data or checks.checked_mode():
+        forced = _local.forced or _registry.env_forced
+        hit = table.get((device, call_key(args), forced.get(op) if forced else None))
+        if hit is None:
+            hit = _lookup(op, device, call_type, call_key(args))
+        provider_kernel, data = hit
+        if data or checked_mode():
             check_data(*args)
         return provider_kernel(*args)
 

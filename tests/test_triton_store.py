@@ -432,7 +432,7 @@ def test_eager_launcher_compiles_per_alignment():
     from dsv4_compile.kernels import triton_common
 
     launcher = triton_common.eager(triton_store._store_kernel)
-    launcher.compiled.clear()
+    launcher.plans.clear()
     for offset in (0, 1, 0, 1):  # aligned, misaligned, then each again from the launcher's cache
         args = list(make_case("cuda", 12, 64))
         wide = torch.randn(12, layout.HEAD_DIM + 8, device="cuda").to(args[0].dtype)
@@ -441,7 +441,32 @@ def test_eager_launcher_compiles_per_alignment():
         assert (args[0].data_ptr() % 16 == 0) == (offset == 0)
         expected = run_both(args)
         assert_matches_reference(args[5], expected, 64, args[4])
-    assert len(launcher.compiled) == 2 or not launcher.enabled
+    assert len(launcher.plans) == 2 or not launcher.enabled
+
+
+@pytest.mark.cuda
+@compiled_triton
+def test_eager_launches_call_launch_hooks_when_set():
+    """A launch hook (what Triton's profiler integration sets) sees every eager launch, with the
+    kernel's name, as Triton's own launcher shows it; without hooks the launch goes straight to the
+    launcher's C entry point."""
+    from triton import knobs
+
+    from dsv4_compile.kernels import triton_common
+
+    args = make_case("cuda", 12, 64)
+    run_both(args)  # compiles; the next launches reuse the plan
+    launcher = triton_common.eager(triton_store._store_kernel)
+    if launcher.enabled:
+        assert all(plan.entry is not None for plan in launcher.plans.values())
+    seen = []
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata.get()["name"])
+    try:
+        expected = run_both(args)
+    finally:
+        knobs.runtime.launch_enter_hook = None
+    assert_matches_reference(args[5], expected, 64, args[4])
+    assert seen == ["_store_kernel"]
 
 
 @pytest.mark.cuda

@@ -88,12 +88,18 @@ _NO_GUARD = contextlib.nullcontext()
 
 def device_guard(device: torch.device):
     """Launch on ``device`` (CPU tensors: the interpreter, no guard; the current device: none)."""
-    if device.type == "cpu":
+    index = device.index
+    if index is None or device.type == "cpu":  # the current device, or CPU (the interpreter)
         return _NO_GUARD
-    module = torch.get_device_module(device)
-    if device.index is None or device.index == module.current_device():
+    module = _DEVICE_MODULES.get(device.type)
+    if module is None:
+        module = _DEVICE_MODULES[device.type] = torch.get_device_module(device.type)
+    if index == module.current_device():
         return _NO_GUARD
     return module.device(device)
+
+
+_DEVICE_MODULES: dict = {}  # device type -> torch.cuda, torch.xpu, ...
 
 
 #: Triton versions whose launcher internals :class:`EagerLauncher` calls (checked on the H200);
@@ -109,64 +115,99 @@ class EagerLauncher:
     pointers; ints by range, ``== 1`` and divisibility by 16), hashes that into a key, rechecks the
     globals the kernel read, then launches the compiled kernel: ~25 us of host time on the H200's
     host for the store. Here the key is computed from the same properties (at least as finely:
-    a key of ours never maps two calls Triton would compile differently to one kernel), the
-    compiled kernel the first launch of a key returns is kept, and later launches call its
-    launcher directly, with the launch hooks and metadata Triton's launcher passes. While
-    interpreting, or on a Triton version not in :data:`FAST_LAUNCH_TRITON`, every launch goes
-    through ``kernel[grid](...)``.
+    a key of ours never maps two calls Triton would compile differently to one kernel), the first
+    launch of a key goes through ``kernel[grid](...)`` and its compiled kernel is kept as a
+    :class:`_LaunchPlan`, and later launches of the key call the plan. While interpreting, or on a
+    Triton version not in :data:`FAST_LAUNCH_TRITON`, every launch goes through ``kernel[grid](...)``.
     """
 
-    __slots__ = ("kernel", "compiled", "enabled")
+    __slots__ = ("kernel", "plans", "enabled", "current_device", "current_stream")
 
     def __init__(self, kernel):
         import triton
 
         self.kernel = kernel
-        self.compiled = {}
+        self.plans = {}
         self.enabled = (
             not interpreting(kernel) and triton.__version__.startswith(FAST_LAUNCH_TRITON)
         )
+        if self.enabled:
+            from triton.runtime import driver
+
+            self.current_device = driver.active.get_current_device
+            self.current_stream = driver.active.get_current_stream
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        from triton import knobs
-        from triton.runtime import driver
-
         if not self.enabled:
             return self.kernel[grid](*args, **kwargs)
-        device = driver.active.get_current_device()
-        key = (device, tuple(map(_specialisation, args)), *kwargs.items())
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **kwargs)
+        device = self.current_device()
+        key = (device, _signature(args), *kwargs.items())
+        plan = self.plans.get(key)
+        if plan is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            tail = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
+            self.plans[key] = _LaunchPlan(compiled, tail)
             return
-        bound = (*args, *[kwargs[name] for name in self.kernel.arg_names[len(args):]])
-        stream = driver.active.get_current_stream(device)
-        grid = (*grid, 1, 1)
-        hooks = knobs.runtime  # launch hooks (profilers) run as Triton's own launcher runs them
-        compiled.run(
-            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *bound), hooks.launch_enter_hook, hooks.launch_exit_hook, *bound,
+        plan(grid, self.current_stream(device), args)
+
+
+class _LaunchPlan:
+    """One compiled kernel and how to launch it: its launcher with the arguments Triton's own
+    launch passes (the constexpr values ``tail`` appended, launch metadata and hooks), or, for
+    NVIDIA's launcher with no scratch memory and no launch hooks set (profilers set them), the
+    launcher's C entry point directly."""
+
+    __slots__ = ("compiled", "tail", "hooks", "entry", "entry_flags")
+
+    def __init__(self, compiled, tail: tuple):
+        from triton import knobs
+
+        self.compiled, self.tail, self.hooks = compiled, tail, knobs.runtime
+        run = compiled.run
+        direct = (
+            type(run).__name__ == "CudaLauncher"
+            and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+            and callable(getattr(run, "launch", None))
         )
+        self.entry = run.launch if direct else None
+        self.entry_flags = (run.launch_cooperative_grid, run.launch_pdl) if direct else None
+
+    def __call__(self, grid, stream, args):
+        compiled, bound = self.compiled, args + self.tail
+        x, y, z = (grid[0], 1, 1) if len(grid) == 1 else (*grid, 1)[:3]
+        enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
+        if self.entry is not None and enter is None and leave is None:
+            cooperative, pdl = self.entry_flags
+            self.entry(x, y, z, stream, compiled.function, cooperative, pdl, None, None,
+                       compiled.packed_metadata, None, None, None, *bound)
+            return
+        compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata((x, y, z), stream, *bound), enter, leave, *bound)
 
 
 _I32_MIN, _I32_END, _I64_END = -(2**31), 2**31, 2**63
 
 
-def _specialisation(arg):
-    """What Triton's launcher specialises a runtime argument on (or finer): a tensor's dtype and
+def _signature(args) -> tuple:
+    """What Triton's launcher specialises the runtime arguments on (or finer): a tensor's dtype and
     16-byte alignment; an int's ``== 1``, divisibility by 16 and integer type; a float's type; a
     bool's value."""
-    kind = type(arg)
-    if kind is int:
-        return arg == 1, arg % 16 == 0, _I32_MIN <= arg < _I32_END, arg < _I64_END
-    if kind is float:
-        return float
-    if kind is bool:
-        return arg
-    return arg.dtype, arg.data_ptr() % 16 == 0  # a tensor
+    key = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            key.append((arg == 1, arg % 16 == 0, _I32_MIN <= arg < _I32_END, arg < _I64_END))
+        elif kind is float:
+            key.append(float)
+        elif kind is bool:
+            key.append(arg)
+        else:  # a tensor
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+    return tuple(key)
 
 
 _LAUNCHERS: dict = {}

@@ -338,10 +338,11 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         kernel, formats = _store_kernel, {}
     else:
         kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
-    kernels(kernel)[(triton.cdiv(num_tokens, BLOCK_T),)](
+    freqs_stride = freqs.stride()  # whole stride tuples: cheaper on the eager path than stride(i)
+    kernels(kernel)[(-(-num_tokens // BLOCK_T),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
-        num_tokens, kv.stride(0), kv_weight.stride(0), freqs.stride(0), freqs.stride(1),
-        positions.stride(0), out_loc.stride(0), kvcache.stride(0), eps,
+        num_tokens, kv.stride()[0], kv_weight.stride()[0], freqs_stride[0], freqs_stride[1],
+        positions.stride()[0], out_loc.stride()[0], kvcache.stride()[0], eps,
         PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, HW=hardware_conversions(kv.device, kernel),
         num_warps=num_warps(fmt),
     )
