@@ -28,7 +28,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -94,6 +94,11 @@ class Provider:
     #: run the ops' data checks (slots, indices, lengths, positions in range) before every call,
     #: not only in checked mode: the kernels index with those values (the reference does)
     checks_data: bool = False
+    #: the ops whose kernels reject every call the metadata checks reject, raising before any
+    #: effect (the library's own checks, plus the adapter's for what the library cannot see): the
+    #: trampoline does not run the metadata checks before them, only after one raises, so that a
+    #: malformed call still gets the checks' error (see :func:`backend_kernel`)
+    validates: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.priority is None:
@@ -104,7 +109,7 @@ class Provider:
 class _Registry:
     providers: list[Provider] = field(default_factory=list)
     loaded: dict = field(default_factory=dict)  # (provider entry, device) -> kernels or the exception
-    resolved: dict = field(default_factory=lambda: {op: {} for op in OPS})  # op -> key -> (kernel, data)
+    resolved: dict = field(default_factory=lambda: {op: {} for op in OPS})  # op -> key -> _Resolution
     warned: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     env_forced: dict | None = None  # DSV4_COMPILE_PROVIDER, parsed by reset()
@@ -301,10 +306,16 @@ def _describe_call(call: tuple) -> str:
     return ", ".join(f"{k}={v}" for k, v in call._asdict().items()) if hasattr(call, "_asdict") else repr(call)
 
 
-def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> tuple[Callable, bool]:
-    """``(kernel, run data checks)`` for a call with signature ``call`` (a plain tuple, the fields
-    of ``call_type``), resolved and cached (the trampolines of :func:`backend_kernel` read the
-    cache directly: one dict lookup per call once resolved)."""
+class _Resolution(NamedTuple):
+    kernel: Callable
+    checks_data: bool  # run the data checks before every call (Provider.checks_data)
+    validates: bool  # the kernel checks the call itself (op in Provider.validates)
+
+
+def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> _Resolution:
+    """The resolution for a call with signature ``call`` (a plain tuple, the fields of
+    ``call_type``), resolved and cached (the trampolines of :func:`backend_kernel` read the cache
+    directly: one dict lookup per call once resolved)."""
     forced = _local.forced or _registry.env_forced
     name = forced.get(op) if forced else None
     table = _registry.resolved[op]
@@ -312,7 +323,7 @@ def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> tupl
     hit = table.get(key)
     if hit is None:
         provider, kernel = _resolve(op, device, call_type(*call), name)
-        hit = table[key] = (kernel, provider.checks_data)
+        hit = table[key] = _Resolution(kernel, provider.checks_data, op in provider.validates)
     return hit
 
 
@@ -420,10 +431,16 @@ def backend_kernel(
 
     * inference only: under grad mode, the inputs at ``grad_args`` (``(index, name)``) must not
       require grad (the op has no backward; the Autograd key falls through to here);
-    * ``check(*args)``: the metadata checks (dtypes, shapes, devices, geometry; no data read);
     * the provider kernel for the device and the call's signature (``call``: its type and
-      ``key(args)``), one dict lookup;
+      ``key(args)``), one dict lookup (the first call of a signature is checked, then resolved);
+    * ``check(*args)``: the metadata checks (dtypes, shapes, devices, geometry; no data read).
+      For a provider kernel that checks the call itself (``Provider.validates``) they run only if
+      it raises (and outside checked mode), to replace its error with theirs when the call is
+      malformed; so an eager call does not pay for the same checks twice;
     * ``check_data(*args)``: the data checks, in checked mode or for a provider that needs them.
+
+    A call whose signature cannot even be read (an argument that is no tensor) runs the metadata
+    checks for their error.
     """
     nargs = len(defaults)
     call_type, call_key = call
@@ -440,17 +457,30 @@ def backend_kernel(
                         f"dsv4.{op} is inference-only (no backward): {name} requires grad; call it "
                         f"under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
                     )
-        check(*args)
-        device = args[0].device  # every op's first argument is a tensor
-        if device_type is not None and device.type != device_type:
-            device = torch.device(device_type, device.index if device.index is not None else 0)
-        forced = _local.forced or _registry.env_forced
-        hit = table.get((device, call_key(args), forced.get(op) if forced else None))
-        if hit is None:
+        try:
+            device = args[0].device  # every op's first argument is a tensor
+            if device_type is not None and device.type != device_type:
+                device = torch.device(device_type, device.index if device.index is not None else 0)
+            forced = _local.forced or _registry.env_forced
+            hit = table.get((device, call_key(args), forced.get(op) if forced else None))
+        except Exception:
+            check(*args)  # a malformed call: its error
+            raise
+        if hit is None:  # a new call signature: checked before any provider is loaded for it
+            check(*args)
             hit = _lookup(op, device, call_type, call_key(args))
-        provider_kernel, data = hit
+        provider_kernel, data, validates = hit
         if data or checked_mode():
+            check(*args)
             check_data(*args)
+        elif validates:
+            try:
+                return provider_kernel(*args)
+            except Exception:
+                check(*args)  # a malformed call: the checks' error instead of the kernel's
+                raise
+        else:
+            check(*args)
         return provider_kernel(*args)
 
     kernel.__name__ = f"dsv4_{op}_{device_type or 'any'}"

@@ -3,7 +3,8 @@
 They follow the real ops' schemas (``flash_mla_legacy::sparse_decode_fwd`` etc., as registered by
 sgl-flash-mla 1.0.0 and sglang-kernel's ``sgl_kernel`` namespace) and their input checks
 (``H in {64, 128}``, index widths multiple of 64 / 128, the 4-D fp8 cache view with
-``stride(1) == 584``, int32 indices and lengths, scheduler shapes), compute with the reference
+``stride(1) == 584``; rank, dtype and shape of every tensor, as the ``flashmla`` provider relies
+on: ``kernels.flashmla.FLASHMLA_VALIDATES``), compute with the reference
 kernels, and model the scheduler: metadata is a function of the length *values*, and stale
 metadata gives wrong output (NaN here), as on the real GPU.
 """
@@ -33,6 +34,12 @@ def _check_view(name, kv):
     assert kv.shape[2] == 1 and kv.shape[3] == 584 and kv.stride(1) == 584 and kv.stride(3) == 1, name
 
 
+def _check_optional(name, t, dtype, shape):
+    """The real ops' checks of an optional tensor: dtype and shape (``None``: any), contiguous."""
+    if t is not None:
+        assert t.dtype == dtype and (shape is None or t.shape == shape) and t.is_contiguous(), name
+
+
 def _schedule(batch, s_q, heads, topk, extra_topk, lengths, extra_lengths):
     parts = max(NUM_SMS // s_q // (heads // 64), 1)
     n = lengths if lengths is not None else torch.full((batch,), topk, dtype=torch.int32)
@@ -52,6 +59,7 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
                       extra_kv, extra_indices, extra_topk_length, d_v, sm_scale, kv_format=None):
     CALLS.append(("decode", dict(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                                  meta=tile_scheduler_metadata, extra_kv=extra_kv, extra_indices=extra_indices)))
+    assert q.dim() == 4 and indices.dim() == 3, "q must have 4 dimensions, indices 3"
     batch, s_q, heads, d_qk = q.shape
     assert batch > 0 and s_q > 0, "FlashMLA refuses empty launches"
     assert q.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
@@ -59,14 +67,17 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
     _check_view("kv", kv)
     assert indices.dtype == torch.int32 and indices.shape[:2] == (batch, s_q)
     assert indices.shape[-1] % 64 == 0, "params.topk % TOPK_BLOCK_SIZE == 0"
-    if topk_length is not None:
-        assert topk_length.dtype == torch.int32 and topk_length.shape == (batch,)
-    if attn_sink is not None:
-        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (heads,)
+    _check_optional("topk_length", topk_length, torch.int32, (batch,))
+    _check_optional("attn_sink", attn_sink, torch.float32, (heads,))
+    _check_optional("tile_scheduler_metadata", tile_scheduler_metadata, torch.int32, None)
+    _check_optional("num_splits", num_splits, torch.int32, None)
     assert (extra_kv is None) == (extra_indices is None)
+    assert extra_kv is not None or extra_topk_length is None
     if extra_kv is not None:
         _check_view("extra_kv", extra_kv)
+        assert extra_indices.dim() == 3 and extra_indices.shape[:2] == (batch, s_q)
         assert extra_indices.shape[-1] % 64 == 0 and extra_indices.dtype == torch.int32
+        _check_optional("extra_topk_length", extra_topk_length, torch.int32, (batch,))
     extra_topk = 0 if extra_indices is None else extra_indices.shape[-1]
     fresh = _schedule(batch, s_q, heads, indices.shape[-1], extra_topk, topk_length, extra_topk_length)
     if tile_scheduler_metadata is None:
@@ -122,12 +133,14 @@ def current_sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_sched
 
 def _prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     CALLS.append(("prefill", dict(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)))
+    assert q.dim() == 3 and kv.dim() == 3 and indices.dim() == 3, "q, kv and indices must have 3 dimensions"
     s_q, heads, d_qk = q.shape
     assert s_q > 0 and kv.shape[0] > 0, "FlashMLA refuses empty launches"
     assert q.dtype == kv.dtype == torch.bfloat16 and d_qk in (512, 576) and kv.shape[-1] == d_qk and d_v == 512
     assert heads in (64, 128), f"Unsupported h_q: {heads}"
-    assert kv.dim() == 3 and kv.shape[1] == 1
-    assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1)
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, kv.shape[1])
+    _check_optional("attn_sink", attn_sink, torch.float32, (heads,))
+    _check_optional("topk_length", topk_length, torch.int32, (s_q,))
     assert indices.shape[-1] % 128 == 0, "topk % (2*B_TOPK) == 0"
     return reference.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
+import pytest
 import torch
 
 import dsv4_compile as d4
@@ -206,3 +208,71 @@ def assert_same_choices_but_near_ties(logits, chosen, other, margin: float) -> N
     margins = choice_margins(logits, chosen, other)
     assert max(margins, default=0.0) <= margin, f"choices differ {margins} below the top logit: {chosen} vs {other}"
 
+
+
+#: Malformed calls of the decode and the prefill at 64 heads (the path FlashMLA serves unpadded,
+#: where the ``flashmla`` provider checks the call in its kernel: ``Provider.validates``):
+#: ``(op, position, bad value as a function of the device, exception, argument named)``.
+MALFORMED_UNPADDED = [
+    ("decode", 0, lambda d: torch.randn(2, 1, 64, 512, device=d), TypeError, "q"),
+    ("decode", 0, lambda d: torch.randn(2, 1, 64, 576, dtype=torch.bfloat16, device=d), ValueError, "q"),
+    ("decode", 0, lambda d: torch.randn(2, 64, 512, dtype=torch.bfloat16, device=d), ValueError, "q"),
+    ("decode", 1, lambda d: d4.flashmla_view(d4.alloc_cache(4, 64, d), 64), TypeError, "k_cache"),
+    ("decode", 2, lambda d: 0, ValueError, "page_size"),
+    ("decode", 2, lambda d: 128, ValueError, "k_cache"),  # the page stride holds 64 tokens
+    ("decode", 3, lambda d: torch.zeros(2, 1, 64, dtype=torch.int64, device=d), TypeError, "indices"),
+    ("decode", 3, lambda d: torch.zeros(3, 1, 64, dtype=torch.int32, device=d), ValueError, "indices"),
+    ("decode", 4, lambda d: torch.tensor([1, 1], device=d), TypeError, "topk_length"),
+    ("decode", 4, lambda d: torch.tensor([1, 1, 1], dtype=torch.int32, device=d), ValueError, "topk_length"),
+    ("decode", 5, lambda d: torch.zeros(32, device=d), ValueError, "attn_sink"),
+    ("decode", 5, lambda d: torch.zeros(64, dtype=torch.bfloat16, device=d), TypeError, "attn_sink"),
+    ("decode", 8, lambda d: torch.zeros(3, 1, 64, dtype=torch.int32, device=d), ValueError, "extra_indices"),
+    ("decode", 9, lambda d: torch.tensor([1, 1], device=d), TypeError, "extra_topk_length"),
+    ("decode", 10, lambda d: torch.zeros(4, 8, dtype=torch.int32, device=d), ValueError, "num_splits"),
+    ("decode", 13, lambda d: 448, ValueError, "head_dim_v"),
+    ("decode", 14, lambda d: "v5", ValueError, "kv_format"),
+    ("prefill", 0, lambda d: torch.randn(3, 64, 512, dtype=torch.float16, device=d), TypeError, "q"),
+    ("prefill", 0, lambda d: torch.randn(3, 64, 448, dtype=torch.bfloat16, device=d), ValueError, "q"),
+    ("prefill", 1, lambda d: torch.randn(6, 512, dtype=torch.bfloat16, device=d), ValueError, "kv"),
+    ("prefill", 1, lambda d: torch.randn(6, 1, 512, device=d), TypeError, "kv"),
+    ("prefill", 2, lambda d: torch.zeros(3, 2, 128, dtype=torch.int32, device=d), ValueError, "indices"),
+    ("prefill", 2, lambda d: torch.zeros(4, 1, 128, dtype=torch.int32, device=d), ValueError, "indices"),
+    ("prefill", 4, lambda d: 256, ValueError, "d_v"),
+    ("prefill", 5, lambda d: torch.zeros(32, device=d), ValueError, "attn_sink"),
+    ("prefill", 6, lambda d: torch.tensor([1, 5, 2], device=d), TypeError, "topk_length"),
+    ("prefill", 6, lambda d: torch.tensor([1, 5], dtype=torch.int32, device=d), ValueError, "topk_length"),
+]
+
+
+def unpadded_call(op: str, device) -> list:
+    """Well-formed arguments of ``op`` (``"decode"`` / ``"prefill"``) at 64 heads on ``device``:
+    batch 2 over a 4-page cache of 64 tokens and a 2-page extra cache of 64; prefill s_q 3 over 6
+    rows, top-k 128. (The caches are zeroed: these calls are about argument checks.)"""
+    if op == "decode":
+        return [
+            torch.randn(2, 1, 64, 512, dtype=torch.bfloat16, device=device), d4.alloc_cache(4, 64, device), 64,
+            torch.zeros(2, 1, 64, dtype=torch.int32, device=device), torch.ones(2, dtype=torch.int32, device=device),
+            torch.zeros(64, device=device), d4.alloc_cache(2, 64, device), 64,
+            torch.zeros(2, 1, 64, dtype=torch.int32, device=device), torch.ones(2, dtype=torch.int32, device=device),
+            None, None, 0.05, 512, "v4", None,
+        ]
+    return [
+        torch.randn(3, 64, 512, dtype=torch.bfloat16, device=device),
+        torch.randn(6, 1, 512, dtype=torch.bfloat16, device=device),
+        torch.zeros(3, 1, 128, dtype=torch.int32, device=device), 0.05, 512,
+        torch.zeros(64, device=device), torch.ones(3, dtype=torch.int32, device=device),
+    ]
+
+
+def assert_malformed_calls_named(call, device) -> None:
+    """Every call of :data:`MALFORMED_UNPADDED` made by ``call(op, *args)`` on ``device`` raises the
+    metadata checks' error naming the argument; the well-formed calls run."""
+    for op in ("decode", "prefill"):
+        call(op, *unpadded_call(op, device))
+    for op, position, bad, exc, arg in MALFORMED_UNPADDED:
+        args = unpadded_call(op, device)
+        args[position] = bad(device)
+        with pytest.raises(exc) as info:
+            call(op, *args)
+        message = str(info.value)
+        assert re.search(rf"^dsv4\.\w+: (\S+/)?{re.escape(arg)} must be .*, got ", message), (op, arg, message)

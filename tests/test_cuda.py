@@ -16,6 +16,8 @@ import dsv4_compile as d4
 from dsv4_compile import dispatch
 from dsv4_compile.tolerances import DEVICE
 
+from helpers import assert_malformed_calls_named
+
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
@@ -272,3 +274,17 @@ def test_empty_batches(provider):
         out, mx, lse = d4.flash_mla_sparse_fwd(q, torch.randn(4, 1, 512, dtype=torch.bfloat16, device=DEV),
                                                torch.zeros(0, 1, 128, dtype=torch.int32, device=DEV), 0.1)
         assert out.shape == (0, 64, 512)
+
+
+def test_malformed_calls_get_the_checks_errors_behind_flashmla():
+    """The ``flashmla`` provider sends known call signatures at 64 heads to FlashMLA unchecked
+    (``Provider.validates``): FlashMLA's own checks must refuse every malformed one, and the
+    caller still gets the metadata checks' error naming the argument, through the op and through
+    the Python wrappers' direct path alike."""
+    if dispatch.resolve("flash_mla_with_kvcache", torch.device(DEV))[0] != "flashmla":
+        pytest.skip("FlashMLA's legacy kernels do not serve this GPU")
+    ops = {"decode": torch.ops.dsv4.flash_mla_with_kvcache.default, "prefill": torch.ops.dsv4.flash_mla_sparse_fwd.default}
+    wrappers = {"decode": d4.flash_mla_with_kvcache, "prefill": d4.flash_mla_sparse_fwd}
+    assert_malformed_calls_named(lambda op, *args: ops[op](*args), DEV)
+    assert_malformed_calls_named(lambda op, *args: wrappers[op](*args), DEV)
+    torch.cuda.synchronize()  # no kernel of a refused call ran into an error

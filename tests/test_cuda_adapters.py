@@ -17,9 +17,11 @@ import flashmla_standin as standin
 from helpers import (
     GARBAGE_BYTES,
     assert_garbage_is_invisible,
+    assert_malformed_calls_named,
     filled_cache,
     random_indices,
     sink,
+    unpadded_call,
 )
 
 CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
@@ -315,3 +317,24 @@ def test_prefill_with_576_dim_keys(provider, heads):
     assert standin.CALLS[-1][1]["q"].shape[-1] == 576 and got[0].shape == (s_q, heads, 512)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-2)
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
+def test_malformed_unpadded_calls_get_the_checks_errors(provider):
+    """At 64 heads FlashMLA's kernels check the call themselves (``flashmla``:
+    ``Provider.validates``; the stand-ins check what the real ops check): a malformed call still
+    gets the metadata checks' error, naming the argument, from either provider."""
+    names = {"decode": "flash_mla_with_kvcache", "prefill": "flash_mla_sparse_fwd"}
+    assert_malformed_calls_named(lambda op, *args: on_cuda(names[op], *args), "cpu")
+
+
+def test_validating_provider_runs_the_checks_only_when_its_kernel_refuses(provider):
+    """``flashmla`` (``Provider.validates``): a known call signature goes to FlashMLA unchecked,
+    and a malformed one gets the checks' error after FlashMLA refused it; ``sgl_kernel`` is
+    checked before FlashMLA sees anything."""
+    args = unpadded_call("decode", "cpu")
+    on_cuda("flash_mla_with_kvcache", *args)  # the signature's first call: checked, resolved
+    args[3] = args[3].long()  # int64 indices: the same call signature
+    standin.CALLS.clear()
+    with pytest.raises(TypeError, match=r"^dsv4\.flash_mla_with_kvcache: indices must be int32"):
+        on_cuda("flash_mla_with_kvcache", *args)
+    assert len(standin.CALLS) == (1 if provider == "flashmla" else 0)

@@ -52,9 +52,9 @@ def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _pad_width(indices: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``indices`` padded with ``-1`` holes to a width that is a positive multiple of ``multiple``."""
-    width = indices.shape[-1]
+def _pad_width(indices: torch.Tensor, width: int, multiple: int) -> torch.Tensor:
+    """``indices`` (``width`` columns) padded with ``-1`` holes to a width that is a positive
+    multiple of ``multiple``."""
     if width % multiple == 0 and width:
         return indices
     return F.pad(indices, (0, _round_up(width, multiple) - width), value=-1)
@@ -136,6 +136,31 @@ class FlashMLAKernels:
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
     ):
         batch, s_q, heads, _ = q.shape
+        width = indices.shape[-1]
+        extra_width = 0 if extra_indices is None else extra_indices.shape[-1]
+        kv = _cached_view(k_cache, page_size, kv_format)
+        extra_kv = None if extra_k_cache is None else _cached_view(
+            extra_k_cache, extra_page_size, extra_kv_format or kv_format)
+        if not (
+            # what FlashMLA's decode does not check itself (see VALIDATES), or a path that does not
+            # reach it: then the metadata checks run here, whoever called
+            batch and s_q and (heads == 64 or heads == 128) and kv_format == "v4"
+            and kv is not None and (extra_k_cache is None) == (extra_kv is None)
+            and (extra_kv_format is None or (extra_kv_format == "v4" and extra_k_cache is not None))
+            and width <= checks.MAX_INDEX_WIDTH and extra_width <= checks.MAX_INDEX_WIDTH
+            and head_dim_v == layout.HEAD_DIM and type(softmax_scale) is float
+            and (tile_scheduler_metadata is None) == (num_splits is None)
+            and _one_device(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+                            extra_topk_length, tile_scheduler_metadata, num_splits)
+        ):
+            checks.check_decode(
+                q, k_cache, page_size, indices, topk_length, attn_sink,
+                extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+                tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
+            )
+            kv = _view(k_cache, page_size, kv_format)
+            if extra_k_cache is not None:
+                extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
         decode_op = self.decode_op
@@ -153,12 +178,8 @@ class FlashMLAKernels:
             elif checks.checked_mode():
                 _check_fresh(self, q, indices, topk_length, extra_indices, extra_topk_length,
                              tile_scheduler_metadata, num_splits)
-        kv = _view(k_cache, page_size, kv_format)
-        idx = _pad_width(indices, DECODE_TOPK_MULTIPLE)
-        extra_kv = extra_idx = None
-        if extra_k_cache is not None:
-            extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
-            extra_idx = _pad_width(extra_indices, DECODE_TOPK_MULTIPLE)
+        idx = _pad_width(indices, width, DECODE_TOPK_MULTIPLE)
+        extra_idx = None if extra_k_cache is None else _pad_width(extra_indices, extra_width, DECODE_TOPK_MULTIPLE)
 
         if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
             out, lse, _, _ = decode_op(
@@ -181,11 +202,21 @@ class FlashMLAKernels:
     # ---- prefill ----
 
     def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-        s_q, heads = q.shape[:2]
-        if s_q == 0 or kv.shape[0] == 0:  # nothing to attend; FlashMLA refuses empty launches
+        s_q, heads, _ = q.shape
+        s_kv = kv.shape[0]
+        _, kv_heads, width = indices.shape
+        if not (
+            # what FlashMLA's prefill does not check itself (see VALIDATES), or a path that does
+            # not reach it: then the metadata checks run here, whoever called
+            s_q and s_kv and (heads == 64 or heads == 128) and kv_heads == 1
+            and width <= checks.MAX_INDEX_WIDTH and d_v == layout.HEAD_DIM and type(sm_scale) is float
+            and _one_device(q, kv, indices, attn_sink, topk_length)
+        ):
+            checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        if s_q == 0 or s_kv == 0:  # nothing to attend; FlashMLA refuses empty launches
             out, max_logits, lse = ops.prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
-        idx = _pad_width(indices, PREFILL_TOPK_MULTIPLE)
+        idx = _pad_width(indices, width, PREFILL_TOPK_MULTIPLE)
         if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
             return self._raw_prefill(q, kv, idx, sm_scale, attn_sink, topk_length)
         out, max_logits, lse = ops.prefill_outputs(q, d_v)
@@ -229,18 +260,41 @@ def _check_fresh(kernels, q, indices, topk_length, extra_indices, extra_topk_len
 _VIEWS: dict = {}  # id(base cache) -> (weak ref to it, (page size, format), data pointer, its view)
 
 
-def _view(cache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
-    """``layout.flashmla_view(cache, page_size, kv_format)``, built once per cache tensor (three
-    tensor ops saved per call of the eager hot path); rebuilt if the page size, the format or the
-    storage changed. An entry leaves with its cache (weak reference callback), so an id is never
-    matched to another tensor."""
-    key = id(cache)
-    hit = _VIEWS.get(key)
-    geometry = (page_size, kv_format)
-    if hit is None or hit[0]() is not cache or hit[1] != geometry or hit[2] != cache.data_ptr():
-        ref = weakref.ref(cache, lambda _, key=key: _VIEWS.pop(key, None))
-        hit = _VIEWS[key] = (ref, geometry, cache.data_ptr(), layout.flashmla_view(cache, page_size, kv_format))
+def _cached_view(cache, page_size, kv_format):
+    """The view :func:`_view` built for this cache tensor, page size and format, if the storage
+    has not moved since; else ``None``."""
+    hit = _VIEWS.get(id(cache))
+    if hit is None or hit[0]() is not cache or hit[1] != (page_size, kv_format) or hit[2] != cache.data_ptr():
+        return None
     return hit[3]
+
+
+def _view(cache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+    """``layout.flashmla_view(cache, page_size, kv_format)`` of a validated cache, built once per
+    cache tensor (three tensor ops saved per call of the eager hot path); rebuilt if the page size,
+    the format or the storage changed. An entry leaves with its cache (weak reference callback),
+    so an id is never matched to another tensor."""
+    view = _cached_view(cache, page_size, kv_format)
+    if view is None:
+        key = id(cache)
+        ref = weakref.ref(cache, lambda _, key=key: _VIEWS.pop(key, None))
+        view = layout.flashmla_view(cache, page_size, kv_format)
+        _VIEWS[key] = (ref, (page_size, kv_format), cache.data_ptr(), view)
+    return view
+
+
+@functools.cache
+def _single_gpu() -> bool:
+    return torch.cuda.device_count() == 1
+
+
+def _one_device(first, *others) -> bool:
+    """Whether the tensors (``None`` skipped) are on one device: FlashMLA checks only that each is
+    a CUDA tensor, which settles it when the process sees one GPU."""
+    if _single_gpu() and first.is_cuda:
+        return True
+    device = first.device
+    return all(t is None or t.device == device for t in others)
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,12 +404,25 @@ SGL_KERNEL_DECODE = dispatch.Rule(
 )
 
 
+#: The ops whose ``flashmla`` kernels check every call themselves (``dispatch.Provider.validates``).
+#: FlashMLA's decode and prefill (sgl-flash-mla 1.0.0, read from its C++ entry points) reject,
+#: before launching: a wrong rank, dtype or shape of every tensor (q, the cache view, indices,
+#: lengths, the sink, the scheduler metadata), a head dimension other than 512 / 576, a tensor not
+#: on a CUDA device, and extra_* arguments without an extra cache. The adapters run the metadata
+#: checks themselves for what it cannot see (the base cache and page size behind a view built for
+#: the first time, formats, scalars, index widths above the limit, devices of a multi-GPU process)
+#: and for every path that does not reach it unpadded (empty batches, padded heads, V4.1 caches).
+#: ``tests/test_cuda.py`` checks on the GPU that each malformed call gets the checks' error.
+FLASHMLA_VALIDATES = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd")
+
+
 def register() -> None:
     dispatch.register_provider(dispatch.Provider(
         "sgl_kernel", "cuda", _load_sgl_kernel, ops=_FLASHMLA_OPS, rules={"flash_mla_with_kvcache": SGL_KERNEL_DECODE},
     ))
     dispatch.register_provider(dispatch.Provider(
         "flashmla", "cuda", _load_flash_mla, ops=_FLASHMLA_OPS, rules={"flash_mla_with_kvcache": FLASHMLA_DECODE},
+        validates=FLASHMLA_VALIDATES,
     ))
     dispatch.register_metadata_shapes("cuda", metadata_shapes)
 

@@ -131,11 +131,7 @@ class EagerLauncher:
         self.enabled = (
             not interpreting(kernel) and triton.__version__.startswith(FAST_LAUNCH_TRITON)
         )
-        if self.enabled:
-            from triton.runtime import driver
-
-            self.current_device = driver.active.get_current_device
-            self.current_stream = driver.active.get_current_stream
+        self.current_device = self.current_stream = None  # the active driver's, at the first launch
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -143,6 +139,11 @@ class EagerLauncher:
     def launch(self, grid, args, kwargs):
         if not self.enabled:
             return self.kernel[grid](*args, **kwargs)
+        if self.current_device is None:
+            from triton.runtime import driver
+
+            self.current_device = driver.active.get_current_device
+            self.current_stream = driver.active.get_current_stream
         device = self.current_device()
         key = (device, _signature(args), *kwargs.items())
         plan = self.plans.get(key)
@@ -154,11 +155,17 @@ class EagerLauncher:
         plan(grid, self.current_stream(device), args)
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook does anything: a function, or a chain of them (Triton 3.6's
+    ``knobs.runtime.launch_enter_hook`` is a ``HookChain``, empty unless a profiler adds one)."""
+    return hook is not None and (type(hook).__name__ != "HookChain" or bool(hook.calls))
+
+
 class _LaunchPlan:
     """One compiled kernel and how to launch it: its launcher with the arguments Triton's own
     launch passes (the constexpr values ``tail`` appended, launch metadata and hooks), or, for
-    NVIDIA's launcher with no scratch memory and no launch hooks set (profilers set them), the
-    launcher's C entry point directly."""
+    NVIDIA's launcher with no scratch memory while no launch hook does anything (profilers add
+    them), the launcher's C entry point directly, without building launch metadata nobody reads."""
 
     __slots__ = ("compiled", "tail", "hooks", "entry", "entry_flags")
 
@@ -180,7 +187,7 @@ class _LaunchPlan:
         compiled, bound = self.compiled, args + self.tail
         x, y, z = (grid[0], 1, 1) if len(grid) == 1 else (*grid, 1)[:3]
         enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
-        if self.entry is not None and enter is None and leave is None:
+        if self.entry is not None and not _hooked(enter) and not _hooked(leave):
             cooperative, pdl = self.entry_flags
             self.entry(x, y, z, stream, compiled.function, cooperative, pdl, None, None,
                        compiled.packed_metadata, None, None, None, *bound)
@@ -193,31 +200,43 @@ _I32_MIN, _I32_END, _I64_END = -(2**31), 2**31, 2**63
 
 
 def _signature(args) -> tuple:
-    """What Triton's launcher specialises the runtime arguments on (or finer): a tensor's dtype and
-    16-byte alignment; an int's ``== 1``, divisibility by 16 and integer type; a float's type; a
-    bool's value."""
-    key = []
+    """What Triton's launcher specialises the runtime arguments on (or finer): their types; a
+    tensor's dtype and 16-byte alignment; an int's ``== 1``, divisibility by 16 and integer type
+    (:func:`_int_code`); a bool's value. Flat, after the types, so it is cheap to build."""
+    key = [tuple(map(type, args))]
     for arg in args:
         kind = type(arg)
         if kind is int:
-            key.append((arg == 1, arg % 16 == 0, _I32_MIN <= arg < _I32_END, arg < _I64_END))
-        elif kind is float:
-            key.append(float)
+            code = _INT_CODES.get(arg)
+            key.append(_int_code(arg) if code is None else code)
         elif kind is bool:
             key.append(arg)
-        else:  # a tensor
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is not float:  # a tensor
+            key.append(arg.dtype)
+            key.append(arg.data_ptr() % 16 == 0)
     return tuple(key)
+
+
+_INT_CODES: dict = {}  # int -> _int_code(int), for the ints seen (strides, sizes); bounded
+
+
+def _int_code(value: int) -> int:
+    code = (value == 1) | (value % 16 == 0) << 1 | (_I32_MIN <= value < _I32_END) << 2 | (value < _I64_END) << 3
+    if len(_INT_CODES) >= 1 << 16:
+        _INT_CODES.clear()
+    _INT_CODES[value] = code
+    return code
 
 
 _LAUNCHERS: dict = {}
 
 
 def eager(kernel) -> EagerLauncher:
-    """The :class:`EagerLauncher` of a jitted kernel (one per kernel)."""
-    launcher = _LAUNCHERS.get(kernel)
-    if launcher is None:
-        launcher = _LAUNCHERS[kernel] = EagerLauncher(kernel)
+    """The :class:`EagerLauncher` of a jitted kernel (one per kernel; keyed by identity, as a
+    jitted kernel hashes by its source in Python, slowly)."""
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _LAUNCHERS[id(kernel)] = EagerLauncher(kernel)
     return launcher
 
 
