@@ -22,9 +22,10 @@ ratios compare like with like. Per op and size:
   ``dsv4_compile.fused_k_norm_rope_flashmla`` (the ``triton`` provider); ``raw_op`` = our Triton
   kernel launched directly (there is no library store on CUDA).
 
-``--quick`` runs the same op path on CPU with the providers' kernels replaced by stubs that return
-preallocated outputs (``raw_op`` = calling the stub): the dispatcher, checks, provider lookup and
-trampolines, without a GPU, so a regression of the per-call path shows up in CI. It asserts nothing.
+``--quick`` runs the same op path on CPU, FlashMLA's adapter included, with FlashMLA's ops and the
+store kernel replaced by stubs that return preallocated outputs (``raw_op`` = calling the stub):
+the wrappers, trampolines, checks, provider lookup and adapter, without a GPU, so a regression of
+the per-call path shows up in CI. It asserts nothing.
 """
 
 from __future__ import annotations
@@ -153,31 +154,49 @@ def cuda_raw_calls() -> dict:
 
 
 def cpu_stub_calls() -> dict:
-    """Stub providers above the reference on CPU: each kernel returns preallocated outputs."""
+    """The CPU smoke: the ``flashmla`` provider's adapter (``kernels.flashmla.FlashMLAKernels``)
+    over stand-ins of FlashMLA's ops that return preallocated outputs, declared to check their
+    calls as FlashMLA's do (``Provider.validates``: the stand-ins check nothing, and this benchmark
+    makes well-formed calls only), so the timed decode and prefill take the path FlashMLA's calls
+    take on a GPU; a stub store kernel for the store. ``raw_op`` = the stand-in op."""
+    from types import SimpleNamespace
+
+    from dsv4_compile.kernels import flashmla
+
     outputs = {}
 
-    def stub(op):
-        def kernel(*args):
-            return outputs[op]
-        return kernel
+    def decode_op(*args):
+        return outputs["decode"]
 
-    def decode(q, *rest):
-        outputs["flash_mla_with_kvcache"] = ops.decode_outputs(q, 512)
-        return {"raw_op": lambda: stub("flash_mla_with_kvcache")(q, *rest)}
+    def prefill_op(*args):
+        return outputs["prefill"]
 
-    def prefill(q, *rest):
-        outputs["flash_mla_sparse_fwd"] = ops.prefill_outputs(q, 512)
-        return {"raw_op": lambda: stub("flash_mla_sparse_fwd")(q, *rest)}
+    def store_kernel(*args):
+        return None
+
+    namespace = SimpleNamespace(sparse_decode_fwd=SimpleNamespace(default=decode_op),
+                                sparse_prefill_fwd=SimpleNamespace(default=prefill_op))
+    kernels = flashmla.FlashMLAKernels("overhead_stub", namespace, torch.device("cpu"), prefill_log2=False,
+                                       prefill_has_stats_flags=True).kernels()
+    dispatch.register_provider(dispatch.Provider(
+        name="overhead_stub", device_type="cpu", priority=10, validates=flashmla.FLASHMLA_VALIDATES,
+        load=lambda device: {"flash_mla_with_kvcache": kernels["flash_mla_with_kvcache"],
+                             "flash_mla_sparse_fwd": kernels["flash_mla_sparse_fwd"],
+                             "fused_k_norm_rope_flashmla": store_kernel},
+    ))
+
+    def decode(q, cache, idx, lengths, sink, ecache, eidx, elen):
+        outputs["decode"] = (*ops.decode_outputs(q, 512), None, None)
+        view, eview = d4.flashmla_view(cache, 256), d4.flashmla_view(ecache, 64)
+        return {"raw_op": lambda: decode_op(q, view, idx, lengths, sink, None, None, eview, eidx, elen, 512, SCALE)}
+
+    def prefill(q, kv, idx, sink):
+        outputs["prefill"] = ops.prefill_outputs(q, 512)
+        return {"raw_op": lambda: prefill_op(q, kv, idx, SCALE, 512, sink, None, False, True)}
 
     def store(*args):
-        outputs["fused_k_norm_rope_flashmla"] = None
-        return {"raw_op": lambda: stub("fused_k_norm_rope_flashmla")(*args)}
+        return {"raw_op": lambda: store_kernel(*args)}
 
-    dispatch.register_provider(dispatch.Provider(
-        name="overhead_stub", device_type="cpu", priority=10,
-        load=lambda device: {op: stub(op) for op in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd",
-                                                     "fused_k_norm_rope_flashmla")},
-    ))
     return {"decode": decode, "prefill": prefill, "store": store}
 
 
