@@ -142,7 +142,7 @@ class FlashMLAKernels:
         extra_kv = None if extra_k_cache is None else _cached_view(
             extra_k_cache, extra_page_size, extra_kv_format or kv_format)
         if not (
-            # what FlashMLA's decode does not check itself (see VALIDATES), or a path that does not
+            # what FlashMLA's decode does not check itself (FLASHMLA_VALIDATES), or a path that does not
             # reach it: then the metadata checks run here, whoever called
             batch and s_q and (heads == 64 or heads == 128) and kv_format == "v4"
             and kv is not None and (extra_k_cache is None) == (extra_kv is None)
@@ -206,7 +206,7 @@ class FlashMLAKernels:
         s_kv = kv.shape[0]
         _, kv_heads, width = indices.shape
         if not (
-            # what FlashMLA's prefill does not check itself (see VALIDATES), or a path that does
+            # what FlashMLA's prefill does not check itself (FLASHMLA_VALIDATES), or a path that does
             # not reach it: then the metadata checks run here, whoever called
             s_q and s_kv and (heads == 64 or heads == 128) and kv_heads == 1
             and width <= checks.MAX_INDEX_WIDTH and d_v == layout.HEAD_DIM and type(sm_scale) is float
