@@ -155,10 +155,11 @@ class EagerLauncher:
         plan(grid, self.current_stream(device), args)
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook does anything: a function, or a chain of them (Triton 3.6's
-    ``knobs.runtime.launch_enter_hook`` is a ``HookChain``, empty unless a profiler adds one)."""
-    return hook is not None and (type(hook).__name__ != "HookChain" or bool(hook.calls))
+def _hooked(hook, chain_type) -> bool:
+    """Whether a Triton launch hook does anything: a function, or a non-empty chain of them (Triton
+    3.6's ``knobs.runtime.launch_enter_hook`` is a ``knobs.HookChain``, empty unless a profiler
+    adds one; ``chain_type``: that class, ``()`` where Triton has none)."""
+    return hook is not None and (not isinstance(hook, chain_type) or bool(hook.calls))
 
 
 class _LaunchPlan:
@@ -167,12 +168,13 @@ class _LaunchPlan:
     NVIDIA's launcher with no scratch memory while no launch hook does anything (profilers add
     them), the launcher's C entry point directly, without building launch metadata nobody reads."""
 
-    __slots__ = ("compiled", "tail", "hooks", "entry", "entry_flags")
+    __slots__ = ("compiled", "tail", "hooks", "chain_type", "entry", "entry_flags")
 
     def __init__(self, compiled, tail: tuple):
         from triton import knobs
 
         self.compiled, self.tail, self.hooks = compiled, tail, knobs.runtime
+        self.chain_type = getattr(knobs, "HookChain", ())
         run = compiled.run
         direct = (
             type(run).__name__ == "CudaLauncher"
@@ -187,7 +189,7 @@ class _LaunchPlan:
         compiled, bound = self.compiled, args + self.tail
         x, y, z = (grid[0], 1, 1) if len(grid) == 1 else (*grid, 1)[:3]
         enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
-        if self.entry is not None and not _hooked(enter) and not _hooked(leave):
+        if self.entry is not None and not _hooked(enter, self.chain_type) and not _hooked(leave, self.chain_type):
             cooperative, pdl = self.entry_flags
             self.entry(x, y, z, stream, compiled.function, cooperative, pdl, None, None,
                        compiled.packed_metadata, None, None, None, *bound)
