@@ -209,7 +209,6 @@ def assert_same_choices_but_near_ties(logits, chosen, other, margin: float) -> N
     assert max(margins, default=0.0) <= margin, f"choices differ {margins} below the top logit: {chosen} vs {other}"
 
 
-
 #: Malformed calls of the decode and the prefill at 64 heads (the path FlashMLA serves unpadded,
 #: where the ``flashmla`` provider checks the call in its kernel: ``Provider.validates``):
 #: ``(op, position, bad value as a function of the device, exception, argument named)``.

@@ -459,10 +459,10 @@ def test_eager_launches_call_launch_hooks_when_set():
     launcher = triton_common.eager(triton_store._store_kernel)
     if not launcher.enabled:
         pytest.skip("eager launches go through Triton's own launcher on this Triton")
+    entries = {plan: plan.entry for plan in launcher.plans.values()}
+    assert None not in entries.values()
     entered = []
-    for plan in launcher.plans.values():
-        entry = plan.entry
-        assert entry is not None
+    for plan, entry in entries.items():
         plan.entry = lambda *a, entry=entry: (entered.append(1), entry(*a))
     try:
         assert_matches_reference(args[5], run_both(args), 64, args[4])
@@ -483,8 +483,8 @@ def test_eager_launches_call_launch_hooks_when_set():
         assert_matches_reference(args[5], expected, 64, args[4])
         assert seen == ["_store_kernel"] and entered == [1]
     finally:
-        for plan in launcher.plans.values():
-            plan.entry = plan.compiled.run.launch
+        for plan, entry in entries.items():
+            plan.entry = entry
 
 
 @pytest.mark.cuda

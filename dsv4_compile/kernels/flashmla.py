@@ -79,11 +79,16 @@ def _pad_heads(t: torch.Tensor, dim: int, start: int, stop: int, padded: int) ->
 class FlashMLAKernels:
     """The dsv4 kernels over one FlashMLA op namespace (``torch.ops.sgl_kernel`` or
     ``torch.ops.flash_mla_legacy``). ``prefill_log2``: the namespace's prefill returns base-2
-    statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``)."""
+    statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``).
+    ``validates``: the provider declares the decode and prefill as checking their own calls
+    (:data:`FLASHMLA_VALIDATES`), so the trampoline has not run the metadata checks and these
+    kernels run them wherever FlashMLA would not see a malformed call; otherwise the trampoline
+    has run them."""
 
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
-                 prefill_has_stats_flags: bool, v41_namespace=None):
+                 prefill_has_stats_flags: bool, v41_namespace=None, validates: bool = False):
         self.name = name  # the provider's
+        self.validates = validates
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
         self.device = device
@@ -141,9 +146,9 @@ class FlashMLAKernels:
         kv = _cached_view(k_cache, page_size, kv_format)
         extra_kv = None if extra_k_cache is None else _cached_view(
             extra_k_cache, extra_page_size, extra_kv_format or kv_format)
-        if not (
+        if self.validates and not (
             # what FlashMLA's decode does not check itself (FLASHMLA_VALIDATES), or a path that does not
-            # reach it: then the metadata checks run here, whoever called
+            # reach it: then the metadata checks run here
             batch and s_q and (heads == 64 or heads == 128) and kv_format == "v4"
             and kv is not None and (extra_k_cache is None) == (extra_kv is None)
             and (extra_kv_format is None or (extra_kv_format == "v4" and extra_k_cache is not None))
@@ -158,9 +163,10 @@ class FlashMLAKernels:
                 extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
                 tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
             )
+        if kv is None:
             kv = _view(k_cache, page_size, kv_format)
-            if extra_k_cache is not None:
-                extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
+        if extra_k_cache is not None and extra_kv is None:
+            extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return ops.decode_outputs(q, head_dim_v)
         decode_op = self.decode_op
@@ -205,9 +211,9 @@ class FlashMLAKernels:
         s_q, heads, _ = q.shape
         s_kv = kv.shape[0]
         _, kv_heads, width = indices.shape
-        if not (
+        if self.validates and not (
             # what FlashMLA's prefill does not check itself (FLASHMLA_VALIDATES), or a path that does
-            # not reach it: then the metadata checks run here, whoever called
+            # not reach it: then the metadata checks run here
             s_q and s_kv and (heads == 64 or heads == 128) and kv_heads == 1
             and width <= checks.MAX_INDEX_WIDTH and d_v == layout.HEAD_DIM and type(sm_scale) is float
             and _one_device(q, kv, indices, attn_sink, topk_length)
@@ -344,6 +350,7 @@ def _load_flash_mla(device: torch.device) -> dict:
     current = torch.ops.flash_mla if hasattr(torch.ops.flash_mla, "sparse_decode_fwd") else None
     return FlashMLAKernels(
         "flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True, v41_namespace=current,
+        validates=True,
     ).kernels()
 
 
