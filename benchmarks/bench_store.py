@@ -22,7 +22,7 @@ import triton.testing
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_store
+from dsv4_compile.kernels import triton_common, triton_store
 
 PAGE_SIZE = 256
 BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
@@ -52,11 +52,11 @@ def median_ms(fn) -> float:
 
 def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
     """The kernel at a launch geometry; ``hardware=False``: rounding in integer arithmetic even
-    where the conversion instructions are used (``triton_store.hardware_conversions``)."""
+    where the conversion instructions are used (``triton_common.hardware_conversions``)."""
     forced = {} if hardware is None else {args[0].device: hardware}
     with mock.patch.object(triton_store, "BLOCK_T", block_t), \
             mock.patch.dict(triton_store.NUM_WARPS, v4=num_warps), \
-            mock.patch.dict(triton_store._HARDWARE_CONVERSIONS, forced):
+            mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
         return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))  # Triton's own launcher
 
 

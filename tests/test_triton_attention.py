@@ -330,34 +330,73 @@ def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
     check_decode(args)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_single_key_is_the_exact_dequantized_key(device):
-    """One key per row: ``out`` is that key, bit for bit (dequantization is exact: every fp8 code
-    but NaN, subnormals included, scales 2^-27 .. 2^22, bf16 RoPE bytes at an odd page stride)."""
-    page_size, num_pages = 4, 16
-    cache = torch.randint(0, 256, (num_pages, page_size * layout.TOKEN_BYTES + 3), dtype=torch.uint8)
-    view = cache[:, : page_size * layout.DATA_BYTES].reshape(num_pages, page_size, layout.DATA_BYTES)
-    codes = torch.arange(num_pages * page_size * layout.NOPE_DIM) % 256
+def random_records(num_pages, page_size, kv_format):
+    """A cache of random tokens: every fp8 / fp4 code but NaN, UE8M0 scales 2^-27 .. 2^22 or e4m3
+    scales but NaN, bf16 RoPE values (V4), at a page stride 3 bytes past the canonical one."""
+    fmt = layout.FORMATS[kv_format]
+    cache = torch.randint(0, 256, (num_pages, page_size * fmt.token_bytes + 3), dtype=torch.uint8)
+    data = layout.data_records(cache, page_size, kv_format)
+    scales = layout.scale_records(cache, page_size, kv_format)
+    n = num_pages * page_size
+    if fmt.values == "fp4":
+        data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8))  # every e2m1 code pair
+        codes = torch.arange(scales.numel()) % 256
+        scales.copy_(torch.where((codes & 0x7F) == 0x7F, 0x7E, codes).view(scales.shape).to(torch.uint8))
+        return cache
+    fp8_dims = layout.NOPE_DIM if fmt.is_v4 else layout.HEAD_DIM
+    codes = torch.arange(n * fp8_dims) % 256
     codes = torch.where((codes & 0x7F) == 0x7F, 0x7E, codes)  # no NaN code
-    view[:, :, : layout.NOPE_DIM] = codes.view(num_pages, page_size, -1).to(torch.uint8)
-    rope = torch.randn(num_pages, page_size, layout.ROPE_DIM).to(torch.bfloat16)
-    view[:, :, layout.NOPE_DIM :] = rope.view(torch.uint8)
-    scales = cache[:, page_size * layout.DATA_BYTES : page_size * layout.TOKEN_BYTES]
-    scales = scales.view(num_pages, page_size, layout.SCALE_BYTES)
-    exponents = scales[:, :, : layout.NUM_TILES]
-    exponents.copy_(torch.randint(100, 150, exponents.shape, dtype=torch.uint8))
-    cache = cache.to(device)
+    data[:, :, :fp8_dims] = codes.view(num_pages, page_size, -1).to(torch.uint8)
+    if fmt.is_v4:
+        rope = torch.randn(num_pages, page_size, layout.ROPE_DIM).to(torch.bfloat16)
+        data[:, :, layout.NOPE_DIM :] = rope.view(torch.uint8)
+        scales = scales[:, :, : layout.NUM_TILES]  # the pad byte is not read
+    scales.copy_(torch.randint(100, 150, scales.shape, dtype=torch.uint8))
+    return cache
+
+
+@pytest.mark.parametrize("kv_format", list(layout.FORMATS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_single_key_is_the_exact_dequantized_key(device, kv_format):
+    """One key per row: ``out`` is that key, bit for bit (dequantization is exact for every cache
+    format: every fp8 / fp4 code but NaN, fp8 subnormals included, the scales of
+    :func:`random_records`, bf16 RoPE bytes at an odd page stride)."""
+    page_size, num_pages = 4, 16
+    cache = random_records(num_pages, page_size, kv_format).to(device)
     cap = num_pages * page_size
     q = torch.randn(cap, 1, 16, layout.HEAD_DIM).to(device, torch.bfloat16)
     idx = torch.full((cap, 1, 3), -1, dtype=torch.int32)
     idx[:, 0, 1] = torch.arange(cap)
     idx = idx.to(device)
-    args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512)
+    args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512, kv_format)
     out, lse = ta.flash_mla_with_kvcache(*args)
-    keys = layout.gather_dequant(cache, page_size, torch.arange(cap, device=device), torch.float32)
+    keys = layout.gather_dequant(cache, page_size, torch.arange(cap, device=device), torch.float32, kv_format)
     assert torch.equal(out[:, 0], keys[:, None, :].expand(-1, 16, -1).to(torch.bfloat16))
     want_lse = torch.einsum("rhd,rd->rh", q[:, 0].float(), keys) * SCALE
     torch.testing.assert_close(lse[:, :, 0], want_lse, atol=TOL["lse"].atol, rtol=TOL["lse"].rtol)
+
+
+@pytest.mark.parametrize("kv_format", list(layout.FORMATS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_rows_attending_a_nan_token_are_nan(device, kv_format):
+    """A token stored from non-finite values (the NaN token, every format) makes the rows that
+    attend it NaN, as in the reference; rows that do not attend it stay finite and match."""
+    page_size = 4
+    cache = filled(device, 4, page_size, kv_format=kv_format)
+    kv, w, freqs, pos = (t.to(device) for t in store_inputs(1, max_pos=8))
+    kv[0, 7] = math.nan
+    reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.tensor([5], device=device), cache, 1e-6, page_size,
+                                         kv_format)
+    idx = torch.tensor([[[0, 1, 2, 3]], [[4, 5, 6, -1]], [[4, 6, 7, 8]]], dtype=torch.int32, device=device)
+    q = torch.randn(3, 1, 16, layout.HEAD_DIM).to(device, torch.bfloat16)
+    args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512, kv_format)
+    out, lse = ta.flash_mla_with_kvcache(*args)
+    want_out, want_lse = reference.flash_mla_with_kvcache(*args)
+    assert want_out[1].isnan().all() and want_lse[1].isnan().all()
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    vmax = layout.gather_dequant(cache, page_size, idx[[0, 2]].flatten(), torch.float32, kv_format).abs().max().item()
+    compare("out", out[[0, 2]], want_out[[0, 2]], vmax)
+    compare("lse", lse[[0, 2]], want_lse[[0, 2]])
 
 
 @pytest.mark.parametrize("device", DEVICES)

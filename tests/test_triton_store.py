@@ -357,7 +357,7 @@ def test_rounding_helpers_are_exact(device, hardware):
     """The kernel's rounding equals torch's casts and ``reference.ue8m0_exponent``, bit for bit:
     every fp8 tie and its neighbours, bf16 ties, inf/NaN, exponents at powers of two; in integer
     arithmetic (every backend) and with the conversion instructions (``cvt``: where
-    :func:`~dsv4_compile.kernels.triton_store.hardware_conversions` picks them)."""
+    :func:`~dsv4_compile.kernels.triton_common.hardware_conversions` picks them)."""
     if hardware and not (device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("the conversion instructions need an NVIDIA GPU of compute capability 8.9+")
     grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -391,13 +391,13 @@ def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device.index])
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(triton_store, "_HARDWARE_CONVERSIONS", {})
-    assert triton_store.hardware_conversions(torch.device("cuda", 0), kernel) == (not INTERPRETED)
-    assert not triton_store.hardware_conversions(torch.device("cuda", 1), kernel)
-    assert not triton_store.hardware_conversions(torch.device("cpu"), kernel)
+    monkeypatch.setattr(triton_common, "_HARDWARE_CONVERSIONS", {})
+    assert triton_common.hardware_conversions(torch.device("cuda", 0), kernel) == (not INTERPRETED)
+    assert not triton_common.hardware_conversions(torch.device("cuda", 1), kernel)
+    assert not triton_common.hardware_conversions(torch.device("cpu"), kernel)
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    monkeypatch.setattr(triton_store, "_HARDWARE_CONVERSIONS", {})
-    assert not triton_store.hardware_conversions(torch.device("cuda", 0), kernel)
+    monkeypatch.setattr(triton_common, "_HARDWARE_CONVERSIONS", {})
+    assert not triton_common.hardware_conversions(torch.device("cuda", 0), kernel)
 
 
 # --------------------------------------------------------------------------------------------

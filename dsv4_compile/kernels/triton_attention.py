@@ -20,9 +20,12 @@ one split per key block), so nothing is read on the host and launches are captur
 Keys are dequantized in registers, exactly (V4.1: an e4m3 value times its UE8M0 scale, or an
 e2m1 value times its e4m3 scale, is a bf16 value; V4 as follows)::
 
-    dims 0..447    e4m3fn byte c -> fp16 bits (c & 0x80) << 8 | (c & 0x7F) << 7 (= value * 2^-8,
-                   subnormals included), to fp32, times 2^(e - 127 + 8) built from the tile's
-                   UE8M0 byte e (data record at page*S + off*576, scales at page*S + P*576 + off*8);
+    dims 0..447    e4m3fn byte c -> fp32 by the GPU's conversion instruction (NVIDIA SM89+,
+                   triton_common.hardware_conversions), elsewhere through the fp16 bits
+                   (c & 0x80) << 8 | (c & 0x7F) << 7 (= value * 2^-8, subnormals included); times
+                   2^(e - 127) (2^(e - 127 + 8)) built from the tile's UE8M0 byte e (data record
+                   at page*S + off*576, scales at page*S + P*576 + off*8); a NaN token (scale
+                   bytes 255) is NaN in every dim, as in the reference;
     dims 448..511  two bytes -> bf16 bits (read as bytes: any page stride, odd ones too);
 
 assembled from power-of-two column groups (256 + 128 + 64 fp8 dims, 64 bf16 dims) into one
@@ -40,8 +43,9 @@ the same online-softmax loop over ``BLOCK_N`` gathered rows of ``kv`` (indices `
 
 The page size is a *runtime* argument: one compiled kernel serves every page size (deployments use
 256 .. 2, FlashMLA's tests 61 and 69; a constexpr would compile a kernel per cache kind and per
-size), and slot -> (page, offset) costs one integer division per key, nothing next to the 584 bytes
-read per key; Triton still specialises it when it is 1 or a multiple of 16.
+size); slot -> (page, offset) is a shift and a mask when the page size is a power of two (the
+``POW2`` constexprs, with the shift passed at run time), an integer division per key otherwise
+(about 180 of the ~2100 instructions a thread issues per 64-key block on SM90).
 
 Importing this module imports no Triton: the kernel functions are plain Python until the provider
 first loads (:func:`_triton`), as in :mod:`.triton_store`. Under ``torch.compile`` the ops are
@@ -135,76 +139,59 @@ def _block_h(config: Config, heads: int) -> int:
 triton = tl = None  # bound by _triton()
 _NOPE, _ROPE, _D, _TILE = layout.NOPE_DIM, layout.ROPE_DIM, layout.HEAD_DIM, layout.TILE
 _DATA_BYTES, _SCALE_BYTES, _LN2, _LOG2E = layout.DATA_BYTES, layout.SCALE_BYTES, math.log(2.0), LOG2E
-_G0, _G1, _G2 = 256, 128, 64  # the key's column groups: [0, 256) [256, 384) [384, 448) fp8, then 64 bf16
-_CONSTEXPRS = ("_NOPE", "_ROPE", "_D", "_TILE", "_DATA_BYTES", "_SCALE_BYTES", "_LN2", "_LOG2E", "_G0", "_G1", "_G2")
-
-
-def _fp8_keys(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr):
-    """Dims ``OFF .. OFF+WIDTH`` (fp8 region) of the keys whose data / scale records start at the
-    byte pointers ``data`` / ``scales [BN]``: ``[BN, WIDTH]`` bf16, exact; 0 where not ``valid``."""
-    d = tl.arange(0, WIDTH)
-    code = tl.load(data[:, None] + (d + OFF)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    # fp16 with the e4m3 exponent/mantissa in place: value * 2^-8 exactly (subnormals too)
-    half = (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-    t = tl.arange(0, WIDTH // _TILE)
-    e = tl.load(scales[:, None] + (t + OFF // _TILE)[None, :], mask=valid[:, None], other=0)
-    scale = ((e.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) * 2^8
-    value = tl.reshape(half.to(tl.float32), (data.shape[0], WIDTH // _TILE, _TILE)) * scale[:, :, None]
-    return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
-
-
-def _bf16_keys(data, valid):
-    """Dims 448..511 (the bf16 RoPE values) of the keys at ``data``: ``[BN, 64]`` bf16.
-    Read as bytes, so any page stride (odd ones too) is fine."""
-    b = tl.arange(0, 2 * _ROPE)
-    byte = tl.load(data[:, None] + (b + _NOPE)[None, :], mask=valid[:, None], other=0)
-    lo, hi = tl.split(tl.reshape(byte.to(tl.int32), (data.shape[0], _ROPE, 2)))
-    return (lo | (hi << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+_C0, _C1, _C2, _C3 = 0, 256, 384, 448  # the key's column pieces: [0, 256) [256, 384) [384, 448) [448, 512)
+_CONSTEXPRS = ("_NOPE", "_ROPE", "_D", "_TILE", "_DATA_BYTES", "_SCALE_BYTES", "_LN2", "_LOG2E", "_C0", "_C1", "_C2", "_C3")
 
 
 def _records(
-    cache_ptr, slot, page_size, page_stride,
-    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
+    cache_ptr, slot, page_size, page_shift, page_stride,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr, POW2: tl.constexpr,
 ):
     """Byte pointers of the data and scale records of ``slot`` (valid slots) in a paged cache whose
-    tokens are ``DATA_BYTES`` then ``SCALE_BYTES``, block-split or ``INTERLEAVED``."""
-    page = slot // page_size
+    tokens are ``DATA_BYTES`` then ``SCALE_BYTES``, block-split or ``INTERLEAVED``. ``POW2``: the
+    page size is ``2^page_shift`` (a shift and a mask instead of an integer division)."""
+    if POW2:
+        page = slot >> page_shift
+        offset = (slot & (page_size - 1)).to(tl.int64)
+    else:
+        page = slot // page_size
+        offset = (slot - page * page_size).to(tl.int64)
     base = cache_ptr + page.to(tl.int64) * page_stride
-    offset = (slot - page * page_size).to(tl.int64)
     if INTERLEAVED:
         data = base + offset * (DATA_BYTES + SCALE_BYTES)
         return data, data + DATA_BYTES
     return base + offset * DATA_BYTES, base + page_size * DATA_BYTES + offset * SCALE_BYTES
 
 
-def _cat(a, b):
-    """``[n, w]`` and ``[n, w]`` side by side: ``[n, 2w]``."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
-
-
-def _e4m3_values(code):
-    """float8_e4m3fn codes (int32) as fp32 values times 2^-8, exactly (through fp16 bits)."""
+def _e4m3_values(code, HW: tl.constexpr):
+    """float8_e4m3fn codes (uint8) as fp32 values, exactly: ``HW``, by the GPU's conversion
+    instruction; else through fp16 bits, as the value times ``2^-8`` (which :func:`_ue8m0_scale`
+    and :func:`_e4m3_scale` undo) and 480 * 2^-8 for the NaN codes 0x7F / 0xFF, whose tokens'
+    scales carry the NaN there (:data:`~dsv4_compile.layout.NAN_SCALE_RECORD`)."""
+    if HW:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    code = code.to(tl.int32)
     half = (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
     return half.to(tl.float32)
 
 
-def _v4_keys(data, scales, valid):
-    """V4 keys: ``[BN, 512]`` bf16, exact (0 where not ``valid``), assembled from power-of-two
-    column groups: 256 + 128 + 64 fp8 dims, then the 64 bf16 dims."""
-    k = _cat(_fp8_keys(data, scales, valid, _G0 + _G1, _G2), _bf16_keys(data, valid))
-    k = _cat(_fp8_keys(data, scales, valid, _G0, _G1), k)
-    return _cat(_fp8_keys(data, scales, valid, 0, _G0), k)
+def _ue8m0_scale(e, HW: tl.constexpr):
+    """UE8M0 bytes ``e`` (uint8) as the factor of :func:`_e4m3_values`' values (``HW`` alike):
+    ``2^(e - 127)`` as the reference reads it (0 for ``e = 0``, inf for the NaN byte 255);
+    without ``HW`` times ``2^8``, NaN for 255, and inf for 247..254 (factors of ``2^120`` and up,
+    past what a store of finite fp32 values writes)."""
+    e = e.to(tl.int32)
+    if HW:
+        return (e << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(e < 247, ((e + 8) << 23).to(tl.float32, bitcast=True), float("inf"))
+    return tl.where(e == 0, 0.0, tl.where(e == 255, float("nan"), scale))
 
 
-def _v41_fp8_keys(data, scales, valid):
-    """V4.1 FP8 keys: 512 e4m3 values times their UE8M0 scale (one per 32): ``[BN, 512]`` bf16."""
-    d = tl.arange(0, _D)
-    code = tl.load(data[:, None] + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    g = tl.arange(0, _D // 32)
-    e = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    scale = ((e + 8) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) * 2^8
-    value = tl.reshape(_e4m3_values(code), (data.shape[0], _D // 32, 32)) * scale[:, :, None]
-    return tl.reshape(value, (data.shape[0], _D)).to(tl.bfloat16)
+def _e4m3_scale(code, HW: tl.constexpr):
+    """e4m3 scale bytes (uint8) as fp32 values, exactly: NaN for the NaN codes 0x7F / 0xFF."""
+    if HW:
+        return _e4m3_values(code, HW)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), _e4m3_values(code, HW) * 256.0)
 
 
 def _e2m1_values(code):
@@ -216,28 +203,50 @@ def _e2m1_values(code):
     return tl.where((code & 8) != 0, -magnitude, magnitude)
 
 
-def _v41_fp4_keys(data, scales, valid):
-    """V4.1 FP4 keys: 512 e2m1 values (two per byte, the even one in the low nibble) times their
-    e4m3 scale (one per 16): ``[BN, 512]`` bf16, exact."""
-    b = tl.arange(0, _D // 2)
+def _fp8_piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, HW: tl.constexpr):
+    """Dims ``OFF .. OFF+WIDTH`` of keys stored as e4m3 values, one UE8M0 scale per ``GROUP``
+    values (V4 dims 0..447: 64; V4.1 FP8: 32), whose data / scale records start at the byte
+    pointers ``data`` / ``scales [BN]``: ``[BN, WIDTH]`` bf16, exact; 0 where not ``valid``."""
+    code = tl.load(data[:, None] + (tl.arange(0, WIDTH) + OFF)[None, :], mask=valid[:, None], other=0)
+    g = tl.arange(0, WIDTH // GROUP) + OFF // GROUP
+    e = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0)
+    value = tl.reshape(_e4m3_values(code, HW), (data.shape[0], WIDTH // GROUP, GROUP)) * _ue8m0_scale(e, HW)[:, :, None]
+    return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
+
+
+def _bf16_piece(data, valid):
+    """V4 dims 448..511 (the bf16 RoPE values) of the keys at ``data``: ``[BN, 64]`` bf16.
+    Read as bytes, so any page stride (odd ones too) is fine."""
+    b = tl.arange(0, 2 * _ROPE)
+    byte = tl.load(data[:, None] + (b + _NOPE)[None, :], mask=valid[:, None], other=0)
+    lo, hi = tl.split(tl.reshape(byte.to(tl.int32), (data.shape[0], _ROPE, 2)))
+    return (lo | (hi << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+def _fp4_piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, HW: tl.constexpr):
+    """V4.1 FP4 dims ``OFF .. OFF+WIDTH``: e2m1 values (two per byte, the even one in the low
+    nibble) times their e4m3 scale (one per 16): ``[BN, WIDTH]`` bf16, exact."""
+    b = tl.arange(0, WIDTH // 2) + OFF // 2
     byte = tl.load(data[:, None] + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (data.shape[0], _D))  # value 2i, 2i+1
-    g = tl.arange(0, _D // 16)
-    s = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    scale = _e4m3_values(s) * 256.0
-    value = tl.reshape(_e2m1_values(code), (data.shape[0], _D // 16, 16)) * scale[:, :, None]
-    return tl.reshape(value, (data.shape[0], _D)).to(tl.bfloat16)
+    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (data.shape[0], WIDTH))  # value 2i, 2i+1
+    g = tl.arange(0, WIDTH // 16) + OFF // 16
+    scale = _e4m3_scale(tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0), HW)
+    value = tl.reshape(_e2m1_values(code), (data.shape[0], WIDTH // 16, 16)) * scale[:, :, None]
+    return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
 
 
-def _keys(data, scales, valid, FMT: tl.constexpr):
-    """The keys at ``data`` / ``scales`` of a format-``FMT`` cache: ``[BN, 512]`` bf16, exact."""
+def _piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    """Dims ``OFF .. OFF+WIDTH`` of the keys at ``data`` / ``scales`` of a format-``FMT`` cache
+    (0: V4, 1: V4.1 FP8, 2: V4.1 FP4): ``[BN, WIDTH]`` bf16, exact; a V4 piece lies within dims
+    0..447 (fp8) or is dims 448..511 (bf16)."""
     if FMT == 0:
-        return _v4_keys(data, scales, valid)
+        if OFF == _NOPE:
+            return _bf16_piece(data, valid)
+        return _fp8_piece(data, scales, valid, OFF, WIDTH, _TILE, HW)
     elif FMT == 1:
-        return _v41_fp8_keys(data, scales, valid)
+        return _fp8_piece(data, scales, valid, OFF, WIDTH, 32, HW)
     else:
-        return _v41_fp4_keys(data, scales, valid)
-
+        return _fp4_piece(data, scales, valid, OFF, WIDTH, HW)
 
 def _online_softmax(s, valid, m, l, scale_log2):
     """One step of the online softmax over scores ``s [BH, BN]`` (raw dot products): returns
@@ -252,30 +261,44 @@ def _online_softmax(s, valid, m, l, scale_log2):
 
 
 def _attend(
-    acc, m, l, q, j0, j1, scale_log2, cache_ptr, page_size, page_stride, idx_ptr, idx_stride,
+    acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, j0, j1, scale_log2,
+    cache_ptr, page_size, page_shift, page_stride, idx_ptr, idx_stride,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    POW2: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr,
 ):
     """Accumulate the keys of index entries ``[j0, j1)`` of one cache: format ``FMT`` (0: V4,
     1: V4.1 FP8, 2: V4.1 FP4), tokens of ``DATA_BYTES`` then ``SCALE_BYTES``, ``INTERLEAVED`` or
-    block-split pages."""
+    block-split pages of ``page_size`` (``2^page_shift`` if ``POW2``) tokens. Queries, keys and
+    outputs in the four column pieces ``_C0 .. _C3``: each key piece is dequantized, multiplied
+    into the scores and later into its output piece, and never concatenated with the others
+    (a whole ``[BN, 512]`` tile in registers spilled on SM90)."""
     for b0 in range(j0, j1, BLOCK_N):
         j = b0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
         valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
         slot = tl.where(valid, slot, 0)
-        data, scales = _records(cache_ptr, slot, page_size, page_stride, DATA_BYTES, SCALE_BYTES, INTERLEAVED)
-        k = _keys(data, scales, valid, FMT)
-        p, alpha, m, l = _online_softmax(tl.dot(q, tl.trans(k)), valid, m, l, scale_log2)
-        acc = tl.dot(p, k, acc * alpha[:, None])
-    return acc, m, l
+        data, scales = _records(
+            cache_ptr, slot, page_size, page_shift, page_stride, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2,
+        )
+        k0 = _piece(data, scales, valid, _C0, _C1 - _C0, FMT, HW)
+        k1 = _piece(data, scales, valid, _C1, _C2 - _C1, FMT, HW)
+        k2 = _piece(data, scales, valid, _C2, _C3 - _C2, FMT, HW)
+        k3 = _piece(data, scales, valid, _C3, _D - _C3, FMT, HW)
+        scores = tl.dot(q3, tl.trans(k3), tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))))
+        p, alpha, m, l = _online_softmax(scores, valid, m, l, scale_log2)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+    return acc0, acc1, acc2, acc3, m, l
 
 
 def _lse2_and_inverse(m, l):
-    """Base-2 ``lse = m + log2(l)`` (-inf where no key counted, ``l = 0``) and ``1 / l`` (0 there)."""
-    some = l > 0
-    safe = tl.where(some, l, 1.0)
-    return tl.where(some, m + tl.log2(safe), -float("inf")), tl.where(some, 1.0 / safe, 0.0)
+    """Base-2 ``lse = m + log2(l)`` (-inf where no key counted, ``l = 0``) and ``1 / l`` (0 there);
+    NaN both where a NaN score made ``l`` NaN."""
+    empty = l == 0
+    safe = tl.where(empty, 1.0, l)
+    return tl.where(empty, -float("inf"), m + tl.log2(safe)), tl.where(empty, 0.0, 1.0 / safe)
 
 
 def _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK: tl.constexpr):
@@ -289,10 +312,25 @@ def _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK: tl.constexpr
     return factor, tl.where(empty, float("inf"), lse2 * _LN2)
 
 
-def _store_partial(part_ptr, part_lse_ptr, at, d, h_mask, acc, lse2, inv_l):
-    """A split's normalised output ``acc / l`` and base-2 lse, at flat (row, split, head) ``at``."""
-    tl.store(part_lse_ptr + at, lse2, mask=h_mask)
-    tl.store(part_ptr + at[:, None] * _D + d[None, :], acc * inv_l[:, None], mask=h_mask[:, None])
+def _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK: tl.constexpr, lse_mask):
+    """Store the natural ``lse`` at the pointers ``lse_at`` where ``lse_mask``; return the factor
+    of the accumulated output: ``out = acc * inv_l * sigmoid(lse - sink)``."""
+    factor, lse = _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK)
+    tl.store(lse_at, lse, mask=lse_mask)
+    return inv_l * factor
+
+
+def _store_columns(ptr, at, d, h_mask, value):
+    """``value [BH, len(d)]`` at columns ``d`` of the 512-wide rows at flat index ``at``."""
+    tl.store(ptr + at[:, None] * _D + d[None, :], value.to(ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def _store_pieces(ptr, at, h_mask, acc0, acc1, acc2, acc3, factor):
+    """The four column pieces of :func:`_attend`'s output, times ``factor [BH]``."""
+    _store_columns(ptr, at, tl.arange(0, _C1 - _C0) + _C0, h_mask, acc0 * factor[:, None])
+    _store_columns(ptr, at, tl.arange(0, _C2 - _C1) + _C1, h_mask, acc1 * factor[:, None])
+    _store_columns(ptr, at, tl.arange(0, _C3 - _C2) + _C2, h_mask, acc2 * factor[:, None])
+    _store_columns(ptr, at, tl.arange(0, _D - _C3) + _C3, h_mask, acc3 * factor[:, None])
 
 
 def _store_final(
@@ -300,27 +338,28 @@ def _store_final(
 ):
     """``out = acc * inv_l * sigmoid(lse - sink)`` at flat (row, head) ``at``, columns ``d``; the
     natural ``lse`` at the pointers ``lse_at`` where ``lse_mask``."""
-    factor, lse = _sink_and_lse(lse2, sink_ptr, sink_stride, h, h_mask, HAS_SINK)
-    tl.store(lse_at, lse, mask=lse_mask)
-    out = acc * (inv_l * factor)[:, None]
-    tl.store(out_ptr + at[:, None] * _D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, lse_mask)
+    _store_columns(out_ptr, at, d, h_mask, acc * factor[:, None])
 
 
 def _decode_kernel(
     q_ptr, q_sb, q_ss, q_sh, q_sd,
-    cache_ptr, page_size, page_stride, idx_ptr, idx_sb, idx_ss, idx_sj, width, len_ptr, len_sb,
-    x_cache_ptr, x_page_size, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
+    cache_ptr, page_size, page_shift, page_stride, idx_ptr, idx_sb, idx_ss, idx_sj, width, len_ptr, len_sb,
+    x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
     x_len_ptr, x_len_sb,
     sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
     s_q, heads, num_splits, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
-    X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr, X_INTERLEAVED: tl.constexpr,
+    POW2: tl.constexpr, X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr,
+    X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr,
 ):
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
-    2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced."""
+    2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
+    ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
+    ``HW``: fp8 by conversion instructions (:func:`.triton_common.hardware_conversions`)."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
     split = tl.program_id(2)
@@ -329,8 +368,10 @@ def _decode_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < heads
     q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
-    d = tl.arange(0, _D)
-    q = tl.load(q_row + d[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q0 = tl.load(q_row + (tl.arange(0, _C1 - _C0) + _C0)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q1 = tl.load(q_row + (tl.arange(0, _C2 - _C1) + _C1)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q2 = tl.load(q_row + (tl.arange(0, _C3 - _C2) + _C2)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
 
     # the row's counted entries: [0, n) of the main indices, then [0, x_n) of the extra ones
     n = width
@@ -345,37 +386,41 @@ def _decode_kernel(
     v0 = split * chunk
     v1 = tl.minimum(v0 + chunk, n + x_n)
 
-    acc = tl.zeros((BLOCK_H, _D), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_H, _C3 - _C2), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_H, _D - _C3), dtype=tl.float32)
     m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     idx_row = idx_ptr + b.to(tl.int64) * idx_sb + s.to(tl.int64) * idx_ss
     x_idx_row = x_idx_ptr + b.to(tl.int64) * x_idx_sb + s.to(tl.int64) * x_idx_ss
     # the split's part of the main entries, then of the extra ones (each cache has its own format)
-    acc, m, l = _attend(
-        acc, m, l, q, v0, tl.minimum(v1, n), scale_log2,
-        cache_ptr, page_size, page_stride, idx_row, idx_sj, FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, BLOCK_N,
+    acc0, acc1, acc2, acc3, m, l = _attend(
+        acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
+        cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
+        FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW,
     )
     if HAS_EXTRA:
-        acc, m, l = _attend(
-            acc, m, l, q, tl.maximum(v0, n) - n, v1 - n, scale_log2,
-            x_cache_ptr, x_page_size, x_page_stride, x_idx_row, x_idx_sj,
-            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, BLOCK_N,
+        acc0, acc1, acc2, acc3, m, l = _attend(
+            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n) - n, v1 - n, scale_log2,
+            x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
+            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW,
         )
 
     lse2, inv_l = _lse2_and_inverse(m, l)
     part_at = (row.to(tl.int64) * num_splits + split) * heads + h
     out_at = row.to(tl.int64) * heads + h
     lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
+    # several splits: the split's normalised output acc / l and base-2 lse; one: the final outputs
+    partial = PARTIAL == 1
     if PARTIAL == 2:
-        if num_splits > 1:
-            _store_partial(part_ptr, part_lse_ptr, part_at, d, h_mask, acc, lse2, inv_l)
-        else:
-            _store_final(out_ptr, lse_at, out_at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK,
-                         h_mask)
-    elif PARTIAL == 1:
-        _store_partial(part_ptr, part_lse_ptr, part_at, d, h_mask, acc, lse2, inv_l)
+        partial = num_splits > 1
+    if partial:
+        tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
+        _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
     else:
-        _store_final(out_ptr, lse_at, out_at, d, h, h_mask, acc, lse2, inv_l, sink_ptr, sink_stride, HAS_SINK, h_mask)
+        factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
+        _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
 
 
 def _combine(
@@ -461,9 +506,9 @@ def _prefill_kernel(
 
 
 _JITTED = (
-    "_fp8_keys", "_bf16_keys", "_records", "_cat", "_e4m3_values", "_v4_keys", "_v41_fp8_keys",
-    "_e2m1_values", "_v41_fp4_keys", "_keys", "_online_softmax", "_attend",
-    "_lse2_and_inverse", "_sink_and_lse", "_store_partial", "_store_final", "_decode_kernel", "_combine",
+    "_records", "_e4m3_values", "_ue8m0_scale", "_e4m3_scale", "_e2m1_values", "_fp8_piece", "_bf16_piece",
+    "_fp4_piece", "_piece", "_online_softmax", "_attend", "_lse2_and_inverse", "_sink_and_lse", "_final_factor",
+    "_store_columns", "_store_pieces", "_store_final", "_decode_kernel", "_combine",
     "_combine_kernel", "_prefill_kernel",
 )
 def _triton():
@@ -532,6 +577,14 @@ def _format_kwargs(kv_format: str, extra_kv_format: str | None) -> dict:
     return {**dict(zip(names, main)), **dict(zip(("X_" + n for n in names), extra))}
 
 
+def _page_shift(page_size) -> tuple[int, bool]:
+    """``(log2 page_size, True)`` for a page size that is a power of two, else ``(0, False)``; a
+    symbolic page size (traced) takes the division path: no guard on its value."""
+    if isinstance(page_size, int) and page_size > 0 and page_size & (page_size - 1) == 0:
+        return page_size.bit_length() - 1, True
+    return 0, False
+
+
 def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
             extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v,
             kv_format="v4", extra_kv_format=None):
@@ -548,11 +601,14 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     head_blocks = -(-heads // block_h)
     partial = _partial_mode(splits)
     split = partial > 0
+    shift, pow2 = _page_shift(page_size)
     if has_extra:
-        x = (extra_k_cache, extra_page_size, extra_k_cache.stride(0), extra_indices, *extra_indices.stride(),
-             extra_indices.shape[-1])
+        x_shift, x_pow2 = _page_shift(extra_page_size)
+        x = (extra_k_cache, extra_page_size, x_shift, extra_k_cache.stride(0), extra_indices,
+             *extra_indices.stride(), extra_indices.shape[-1])
     else:  # never read: the main cache's arguments stand in
-        x = (k_cache, page_size, k_cache.stride(0), indices, *indices.stride(), 0)
+        x_pow2 = pow2
+        x = (k_cache, page_size, shift, k_cache.stride(0), indices, *indices.stride(), 0)
     x_len = extra_topk_length if has_extra and extra_topk_length is not None else indices
     length = topk_length if topk_length is not None else indices
     sink = attn_sink if attn_sink is not None else q
@@ -563,7 +619,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         part = part_lse = q
     kernels(_decode_kernel)[(rows, head_blocks, splits)](
         q, *q.stride(),
-        k_cache, page_size, k_cache.stride(0), indices, *indices.stride(), indices.shape[-1],
+        k_cache, page_size, shift, k_cache.stride(0), indices, *indices.stride(), indices.shape[-1],
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
@@ -571,6 +627,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
+        POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _decode_kernel),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

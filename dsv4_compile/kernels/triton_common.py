@@ -62,6 +62,24 @@ def interpreting(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
+_HARDWARE_CONVERSIONS: dict = {}  # device -> bool
+
+
+def hardware_conversions(device: torch.device, kernel) -> bool:
+    """Whether the kernels convert between fp32 and fp8 (e4m3) / bf16 with the GPU's conversion
+    instructions (``cvt``; rounding to nearest even, the same bits as the integer arithmetic they
+    replace): NVIDIA GPUs of compute capability 8.9 or later (Ada, Hopper, Blackwell), compiled,
+    not interpreted. Elsewhere (SM80, XPU, ROCm, ``TRITON_INTERPRET=1``) the kernels convert in
+    integer arithmetic. Decided once per device."""
+    hw = _HARDWARE_CONVERSIONS.get(device)
+    if hw is None:
+        hw = _HARDWARE_CONVERSIONS[device] = (
+            device.type == "cuda" and torch.version.hip is None and not interpreting(kernel)
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+        )
+    return hw
+
+
 def device_available(device: torch.device) -> bool:
     return torch.get_device_module(device.type).is_available()
 

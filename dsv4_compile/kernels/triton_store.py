@@ -12,9 +12,9 @@ a token whose values are not all finite is stored as the NaN token (layout.NAN_D
 layout.NAN_SCALE_RECORD), as the reference does; written as bytes: the 576-byte data record at ``page*S + off*576``, the 8-byte scale record
 (``e + 127`` x 7, then a 0 pad byte) at ``page*S + P*576 + off*8``; negative slots write nothing.
 
-Rounding: on NVIDIA GPUs of compute capability 8.9+ by the conversion instructions (fp8 and bf16
-``cvt.rn``; :func:`hardware_conversions`), elsewhere (SM80, XPU, ROCm, the interpreter) in integer
-arithmetic on the fp32 bit patterns; both give the same bits, round to nearest even, so the
+Rounding: on NVIDIA GPUs of compute capability 8.9+ by the conversion instructions (fp8 and
+bf16 ``cvt.rn``; :func:`.triton_common.hardware_conversions`), elsewhere (SM80, XPU, ROCm, the
+interpreter) in integer arithmetic on the fp32 bit patterns; both give the same bits, round to nearest even, so the
 kernel runs on any GPU Triton targets and produces the reference's bytes given the same ``y``;
 ``y`` itself may differ from the reference's in the last fp32 bit (reduction order, ``rsqrt``),
 which can move a rounding tie.
@@ -165,7 +165,7 @@ def _store_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, HW: tl.constexpr,
 ):
     """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store;
-    ``HW``: fp8 / bf16 rounding by conversion instructions (:func:`hardware_conversions`)."""
+    ``HW``: fp8 / bf16 rounding by conversion instructions (:func:`.triton_common.hardware_conversions`)."""
     # (the token rows are read here, not in a helper: torch's analysis of which pointers a Triton
     # kernel mutates counts a pointer passed to a helper that returns loaded values as written)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
@@ -343,7 +343,8 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride()[0], kv_weight.stride()[0], freqs_stride[0], freqs_stride[1],
         positions.stride()[0], out_loc.stride()[0], kvcache.stride()[0], eps,
-        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats, HW=hardware_conversions(kv.device, kernel),
+        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats,
+        HW=triton_common.hardware_conversions(kv.device, kernel),
         num_warps=num_warps(fmt),
     )
 
@@ -351,23 +352,6 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
 def num_warps(fmt: layout.CacheFormat) -> int:
     """Warps per program of the store of cache format ``fmt`` (:data:`NUM_WARPS`)."""
     return NUM_WARPS["v4" if fmt.is_v4 else fmt.values]
-
-
-_HARDWARE_CONVERSIONS: dict = {}  # device -> bool
-
-
-def hardware_conversions(device: torch.device, kernel) -> bool:
-    """Whether the store rounds to fp8 / bf16 with the GPU's conversion instructions (``cvt.rn``:
-    round to nearest even, the integer path's bits): NVIDIA GPUs of compute capability 8.9 or
-    later (Ada, Hopper, Blackwell), compiled, not interpreted. Elsewhere (SM80, XPU, ROCm,
-    ``TRITON_INTERPRET=1``) the kernels round in integer arithmetic. Decided once per device."""
-    hw = _HARDWARE_CONVERSIONS.get(device)
-    if hw is None:
-        hw = _HARDWARE_CONVERSIONS[device] = (
-            device.type == "cuda" and torch.version.hip is None and not triton_common.interpreting(kernel)
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
-        )
-    return hw
 
 
 def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format="v4") -> tuple:
