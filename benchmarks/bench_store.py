@@ -7,7 +7,10 @@ bandwidth is the ceiling. Times are medians of ``triton.testing.do_bench`` (L2 f
 runs). Rows: the kernel launched directly for each launch geometry (``BLOCK_T`` tokens per program,
 ``NUM_WARPS``; ``*`` marks the defaults of ``triton_store``; ``int``: rounding in integer arithmetic
 instead of the GPU's conversion instructions), and the op called eagerly (adds the
-dispatcher, provider trampoline and checks: host time, visible at small T).
+dispatcher, provider trampoline and checks: host time, visible at small T). ``--graph`` times the
+copy and the default geometry's kernel instead as CUDA-graph replays of 10 back-to-back calls
+(median of 7; no host time, no L2 flush: the steady figure for small T, where ``do_bench`` of a
+single ~6 µs kernel swings from run to run).
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``
 """
@@ -15,6 +18,8 @@ Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--to
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -23,6 +28,9 @@ import triton.testing
 import dsv4_compile as d4
 from dsv4_compile import layout
 from dsv4_compile.kernels import triton_common, triton_store
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import graph_timed  # noqa: E402
 
 PAGE_SIZE = 256
 BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
@@ -63,6 +71,7 @@ def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 65536])
+    parser.add_argument("--graph", action="store_true", help="CUDA-graph timing of the copy and the default kernel")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_store.py needs a CUDA device")
@@ -77,12 +86,19 @@ def main() -> None:
         traffic = num_tokens * BYTES_PER_TOKEN
         src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        copy_ms = median_ms(lambda: dst.copy_(src))
+        time_ms = (lambda fn: graph_timed(fn) / 1e3) if opts.graph else median_ms
+        copy_ms = time_ms(lambda: dst.copy_(src))
         copy_gbs = traffic / copy_ms / 1e6
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
             args = inputs(num_tokens, scattered)
             default = (triton_store.BLOCK_T, triton_store.num_warps(layout.V4))
+            if opts.graph:
+                ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))
+                gbs = traffic / ms / 1e6
+                print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} "
+                      f"{'graph ' + 'x'.join(map(str, default)):>16} {ms * 1e3:>9.2f} {gbs:>8.0f} {gbs / copy_gbs:>8.0%}")
+                continue
             rows = [
                 (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
                 for bt, nw in GEOMETRIES

@@ -28,8 +28,10 @@ e2m1 value times its e4m3 scale, is a bf16 value; V4 as follows)::
                    bytes 255) is NaN in every dim, as in the reference;
     dims 448..511  two bytes -> bf16 bits (read as bytes: any page stride, odd ones too);
 
-assembled from power-of-two column groups (256 + 128 + 64 fp8 dims, 64 bf16 dims) into one
-``[BLOCK_N, 512]`` tile with ``tl.join``. Softmax is online, fp32, base 2; the weights are rounded
+in four power-of-two column pieces (dims 0..255, 256..383, 384..447, 448..511; for V4 the first
+three fp8, the last bf16), each multiplied into the scores (``q`` in the same pieces) and then into
+its piece of the output, never concatenated: a ``[BLOCK_N, 512]`` tile assembled in registers
+spilled on SM90. Softmax is online, fp32, base 2; the weights are rounded
 to bf16 for ``P.V`` (as FlashMLA does; tolerances.DEVICE). With one split the program writes
 ``out``/``lse`` itself; with several, each writes its normalised partial output and base-2
 log-sum-exp to an fp32 workspace ``[rows, splits, H, 512]`` and a combine kernel merges them and
@@ -45,7 +47,7 @@ The page size is a *runtime* argument: one compiled kernel serves every page siz
 256 .. 2, FlashMLA's tests 61 and 69; a constexpr would compile a kernel per cache kind and per
 size); slot -> (page, offset) is a shift and a mask when the page size is a power of two (the
 ``POW2`` constexprs, with the shift passed at run time), an integer division per key otherwise
-(about 180 of the ~2100 instructions a thread issues per 64-key block on SM90).
+(about 180 more instructions per thread and 64-key block on SM90).
 
 Importing this module imports no Triton: the kernel functions are plain Python until the provider
 first loads (:func:`_triton`), as in :mod:`.triton_store`. Under ``torch.compile`` the ops are
