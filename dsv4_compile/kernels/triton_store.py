@@ -65,8 +65,9 @@ _CONSTEXPRS = (
 
 
 def _e4m3fn_bits(v, HW: tl.constexpr):
-    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v`` in [-448, 448], round to nearest even:
-    ``HW``: the GPU's conversion instruction (SM89+), else in integer arithmetic (the same bits)."""
+    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v``, round to nearest even: ``HW``: the
+    GPU's conversion instruction (SM89+; finite ``v`` past +-448 saturate to +-448), else in integer
+    arithmetic (the same bits for ``v`` in [-448, 448], which callers clamp to)."""
     if HW:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     bits = v.to(tl.int32, bitcast=True)
@@ -187,19 +188,22 @@ def _store_kernel(
     rope = _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, freqs_stride0,
                       freqs_stride1, pos, FUSED, False, BLOCK_T, HW)
 
-    # a token with a non-finite value (dims 0..447 of y, or the RoPE dims) is a NaN token
-    finite = _all_finite(y, _NOPE_DIM) & _all_finite(rope, _ROPE_DIM)
-
-    # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte)
+    # 8 tiles of 64 (the 8th holds the RoPE dims; its exponent slot becomes the pad byte); each
+    # tile's largest magnitude, NaN if it holds a NaN, also gives the finiteness of dims 0..447:
+    # a token with a non-finite value (there, or in the RoPE dims) is a NaN token
     tiles = tl.reshape(y, (BLOCK_T, _NUM_TILES + 1, _TILE))
-    e = _ue8m0_exponent(tl.max(tl.abs(tiles), axis=2))  # [BT, 8]
+    amax = tl.reduce(tl.abs(tiles), 2, _max_nan)  # [BT, 8]
+    kk = tl.arange(0, _NUM_TILES + 1)
+    nope_amax = tl.reduce(tl.where(kk[None, :] < _NUM_TILES, amax, 0.0), 1, _max_nan)
+    finite = (nope_amax < float("inf")) & _all_finite(rope, _ROPE_DIM)
+    e = _ue8m0_exponent(amax)  # (of a NaN token: unused)
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
     scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
-    fp8 = _e4m3fn_bits(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX), HW)
-    fp8 = tl.where(finite[:, None], fp8, 0x7F)
+    if not HW:  # the conversion instruction saturates at +-448 itself (satfinite)
+        scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
+    fp8 = tl.where(finite[:, None], _e4m3fn_bits(scaled, HW), 0x7F)
     nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
     tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
-    kk = tl.arange(0, _NUM_TILES + 1)
     exponent_bytes = tl.where(finite[:, None], e + _BIAS, 0xFF)
     exponent_bytes = tl.where(kk[None, :] < _NUM_TILES, exponent_bytes, 0)
     tl.store(scale_ptr[:, None] + kk[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
