@@ -142,7 +142,9 @@ triton = tl = None  # bound by _triton()
 _NOPE, _ROPE, _D, _TILE = layout.NOPE_DIM, layout.ROPE_DIM, layout.HEAD_DIM, layout.TILE
 _DATA_BYTES, _SCALE_BYTES, _LN2, _LOG2E = layout.DATA_BYTES, layout.SCALE_BYTES, math.log(2.0), LOG2E
 _C0, _C1, _C2, _C3 = 0, 256, 384, 448  # the key's column pieces: [0, 256) [256, 384) [384, 448) [448, 512)
-_CONSTEXPRS = ("_NOPE", "_ROPE", "_D", "_TILE", "_DATA_BYTES", "_SCALE_BYTES", "_LN2", "_LOG2E", "_C0", "_C1", "_C2", "_C3")
+_CONSTEXPRS = (
+    "_NOPE", "_ROPE", "_D", "_TILE", "_DATA_BYTES", "_SCALE_BYTES", "_LN2", "_LOG2E", "_C0", "_C1", "_C2", "_C3",
+)
 
 
 def _records(
@@ -205,14 +207,17 @@ def _e2m1_values(code):
     return tl.where((code & 8) != 0, -magnitude, magnitude)
 
 
-def _fp8_piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, HW: tl.constexpr):
+def _fp8_piece(
+    data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr, HW: tl.constexpr,
+):
     """Dims ``OFF .. OFF+WIDTH`` of keys stored as e4m3 values, one UE8M0 scale per ``GROUP``
     values (V4 dims 0..447: 64; V4.1 FP8: 32), whose data / scale records start at the byte
     pointers ``data`` / ``scales [BN]``: ``[BN, WIDTH]`` bf16, exact; 0 where not ``valid``."""
     code = tl.load(data[:, None] + (tl.arange(0, WIDTH) + OFF)[None, :], mask=valid[:, None], other=0)
     g = tl.arange(0, WIDTH // GROUP) + OFF // GROUP
     e = tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0)
-    value = tl.reshape(_e4m3_values(code, HW), (data.shape[0], WIDTH // GROUP, GROUP)) * _ue8m0_scale(e, HW)[:, :, None]
+    value = tl.reshape(_e4m3_values(code, HW), (data.shape[0], WIDTH // GROUP, GROUP))
+    value = value * _ue8m0_scale(e, HW)[:, :, None]
     return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
 
 
@@ -249,6 +254,7 @@ def _piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.
         return _fp8_piece(data, scales, valid, OFF, WIDTH, 32, HW)
     else:
         return _fp4_piece(data, scales, valid, OFF, WIDTH, HW)
+
 
 def _online_softmax(s, valid, m, l, scale_log2):
     """One step of the online softmax over scores ``s [BH, BN]`` (raw dot products): returns

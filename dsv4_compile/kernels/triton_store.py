@@ -14,8 +14,9 @@ layout.NAN_SCALE_RECORD), as the reference does; written as bytes: the 576-byte 
 
 Rounding: on NVIDIA GPUs of compute capability 8.9+ by the conversion instructions (fp8 and
 bf16 ``cvt.rn``; :func:`.triton_common.hardware_conversions`), elsewhere (SM80, XPU, ROCm, the
-interpreter) in integer arithmetic on the fp32 bit patterns; both give the same bits, round to nearest even, so the
-kernel runs on any GPU Triton targets and produces the reference's bytes given the same ``y``;
+interpreter) in integer arithmetic on the fp32 bit patterns; both give the same bits, round to
+nearest even, so the kernel runs on any GPU Triton targets and produces the reference's bytes
+given the same ``y``;
 ``y`` itself may differ from the reference's in the last fp32 bit (reduction order, ``rsqrt``),
 which can move a rounding tie.
 
@@ -166,7 +167,8 @@ def _store_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, HW: tl.constexpr,
 ):
     """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store;
-    ``HW``: fp8 / bf16 rounding by conversion instructions (:func:`.triton_common.hardware_conversions`)."""
+    ``HW``: fp8 / bf16 rounding by conversion instructions
+    (:func:`.triton_common.hardware_conversions`)."""
     # (the token rows are read here, not in a helper: torch's analysis of which pointers a Triton
     # kernel mutates counts a pointer passed to a helper that returns loaded values as written)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
