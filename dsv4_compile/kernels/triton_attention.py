@@ -11,10 +11,11 @@ or interleaved, §2.5; the main and the extra cache each in its own format). A p
 the same keys, so a program gathers and dequantizes a block of ``BLOCK_N`` keys once and multiplies
 it with all its heads (``[BLOCK_H, 512] x [512, BLOCK_N]``, then ``P [BLOCK_H, BLOCK_N] x K``).
 The keys a row counts -- main entries ``j < min(topk_length, K)``, then extra entries
-``j < min(extra_topk_length, K2)``, ``-1`` holes masked -- form one virtual list, cut into
+``j < min(extra_topk_length, K2)``, ``-1`` holes masked -- form one virtual list (the main
+entries padded to whole key blocks, so that no block holds keys of both caches), cut into
 ``num_splits`` equal chunks of whole key blocks; a split walks its part of the main entries, then
-its part of the extra ones (each cache with its own page size, stride and format). The lengths are read in-kernel, so the chunks
-balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
+its part of the extra ones (each cache with its own page size, stride and format). The lengths
+are read in-kernel, so the chunks balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
 one split per key block), so nothing is read on the host and launches are capture-safe.
 
 Keys are dequantized in registers, exactly (V4.1: an e4m3 value times its UE8M0 scale, or an
@@ -390,9 +391,12 @@ def _decode_kernel(
         x_n = x_width
         if HAS_X_LEN:
             x_n = tl.minimum(tl.maximum(tl.load(x_len_ptr + b * x_len_sb), 0), x_width)
-    chunk = tl.cdiv(tl.cdiv(n + x_n, num_splits), BLOCK_N) * BLOCK_N
+    # the virtual list: the main entries padded to whole key blocks, then the extra ones, so that
+    # every key block of a split lies in one cache (no split pays a partial block on both sides)
+    n_pad = tl.cdiv(n, BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n_pad + x_n, num_splits), BLOCK_N) * BLOCK_N
     v0 = split * chunk
-    v1 = tl.minimum(v0 + chunk, n + x_n)
+    v1 = tl.minimum(v0 + chunk, n_pad + x_n)
 
     acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
@@ -410,7 +414,7 @@ def _decode_kernel(
     )
     if HAS_EXTRA:
         acc0, acc1, acc2, acc3, m, l = _attend(
-            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n) - n, v1 - n, scale_log2,
+            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
             x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
             X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW,
         )
