@@ -25,7 +25,8 @@ time / measured time.
 
     python benchmarks/bench_triton_attention.py plot AFTER.json OUT.png [BEFORE.json]
 
-draws each case's share of the roofline (Triton, FlashMLA, and Triton before) as bars.
+draws each case's share of the roofline (Triton, FlashMLA, and Triton before) and Triton's share of
+FlashMLA's throughput, as bars.
 """
 
 from __future__ import annotations
@@ -196,31 +197,44 @@ def table(rows: list[dict], keys: list[str]) -> str:
 
 
 def plot(after: dict, path: str, before: dict | None = None) -> None:
-    """Bars: each case's share of its roofline, Triton (and Triton before) and FlashMLA."""
+    """Left: each case's share of its roofline (Triton, Triton before, FlashMLA); right: Triton's
+    share of FlashMLA's throughput (after, before) against the 0.7 / 0.6 goals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = [(f"decode T={r['rows']}", r, "triton_of_roofline", "flashmla_of_roofline") for r in after["decode"]]
-    cases += [(f"prefill s_q={r['s_q']}", r, "triton_of_roofline", "flashmla_of_roofline") for r in after["prefill"]]
-    old = {}
+    def cases(report):
+        rows = {f"decode T={r['rows']}": r for r in report["decode"]}
+        rows.update({f"prefill s_q={r['s_q']}": r for r in report["prefill"]})
+        return rows
+
+    new, old = cases(after), cases(before) if before else {}
+    names = list(new)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.0))
+    bars = [("FlashMLA", new, "flashmla_of_roofline", "tab:gray")]
     if before:
-        old = {f"decode T={r['rows']}": r for r in before["decode"]}
-        old.update({f"prefill s_q={r['s_q']}": r for r in before["prefill"]})
-    bars = [("FlashMLA", lambda name, r: r.get("flashmla_of_roofline"), "tab:gray"),
-            ("Triton", lambda name, r: r.get("triton_of_roofline"), "tab:blue")]
-    if before:
-        bars.insert(1, ("Triton before", lambda name, r: old.get(name, {}).get("triton_of_roofline"), "tab:cyan"))
-    fig, ax = plt.subplots(figsize=(7.2, 4.0))
+        bars.append(("Triton before", old, "triton_of_roofline", "tab:cyan"))
+    bars.append(("Triton", new, "triton_of_roofline", "tab:blue"))
     width = 0.8 / len(bars)
-    for i, (label, value, color) in enumerate(bars):
-        xs = [c + (i - (len(bars) - 1) / 2) * width for c in range(len(cases))]
-        ax.bar(xs, [100 * (value(name, r) or 0) for name, r, *_ in cases], width, label=label, color=color)
-    ax.set_xticks(range(len(cases)), [name for name, *_ in cases], fontsize=8)
-    ax.set_ylabel("% of roofline (max of bytes / copy, FLOPs / peak)")
-    ax.set_title(f"Triton attention vs FlashMLA, H=64, {after['device']}", fontsize=9)
-    ax.legend(fontsize=8)
+    for i, (label, rows, key, color) in enumerate(bars):
+        xs = [c + (i - (len(bars) - 1) / 2) * width for c in range(len(names))]
+        left.bar(xs, [100 * (rows.get(n, {}).get(key) or 0) for n in names], width, label=label, color=color)
+    left.set_ylabel("% of roofline (max of bytes / copy, FLOPs / peak)")
+    ratios = [("Triton", new, "tab:blue")]
+    if before:
+        ratios.insert(0, ("Triton before", old, "tab:cyan"))
+    width = 0.8 / len(ratios)
+    for i, (label, rows, color) in enumerate(ratios):
+        xs = [c + (i - (len(ratios) - 1) / 2) * width for c in range(len(names))]
+        right.bar(xs, [rows.get(n, {}).get("ratio") or 0 for n in names], width, label=label, color=color)
+    right.plot([-0.5, len(names) - 1.5], [0.7, 0.7], "k--", label="goal (decode 0.7)")
+    right.plot([len(names) - 1.5, len(names) - 0.5], [0.6, 0.6], "k:", label="goal (prefill 0.6)")
+    right.set_ylabel("Triton throughput / FlashMLA's")
+    for ax in (left, right):
+        ax.set_xticks(range(len(names)), names, fontsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Triton attention vs FlashMLA, H=64, {after['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
