@@ -565,6 +565,18 @@ def test_decode_launch_is_guard_free_for_symbolic_rows():
     assert lse.stride() == (64, 1, 64)
 
 
+def test_page_addressing_by_shift_only_for_power_of_two_page_sizes():
+    """A power-of-two page size takes the shift-and-mask addressing (``POW2``, the shift passed at
+    run time); other sizes, and a symbolic one (traced), the integer division: no guard on it."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert [ta._page_shift(p) for p in (1, 2, 64, 256)] == [(0, True), (1, True), (6, True), (8, True)]
+    assert [ta._page_shift(p) for p in (3, 61, 69, 96)] == [(0, False)] * 4
+    env = ShapeEnv()
+    assert ta._page_shift(env.create_unbacked_symint()) == (0, False)
+    assert not env.guards
+
+
 class _Traced(Exception):
     pass
 
