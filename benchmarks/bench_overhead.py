@@ -177,7 +177,7 @@ def cpu_stub_calls() -> dict:
     namespace = SimpleNamespace(sparse_decode_fwd=SimpleNamespace(default=decode_op),
                                 sparse_prefill_fwd=SimpleNamespace(default=prefill_op))
     kernels = flashmla.FlashMLAKernels("overhead_stub", namespace, torch.device("cpu"), prefill_log2=False,
-                                       prefill_has_stats_flags=True, validates=True).kernels()
+                                       prefill_has_stats_flags=True, validates=flashmla.FLASHMLA_VALIDATES).kernels()
     dispatch.register_provider(dispatch.Provider(
         name="overhead_stub", device_type="cpu", priority=10, validates=flashmla.FLASHMLA_VALIDATES,
         load=lambda device: {"flash_mla_with_kvcache": kernels["flash_mla_with_kvcache"],

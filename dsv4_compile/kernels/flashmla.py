@@ -80,15 +80,16 @@ class FlashMLAKernels:
     """The dsv4 kernels over one FlashMLA op namespace (``torch.ops.sgl_kernel`` or
     ``torch.ops.flash_mla_legacy``). ``prefill_log2``: the namespace's prefill returns base-2
     statistics (sgl_kernel) rather than natural-log ones (legacy, ``return_log2_stats=False``).
-    ``validates``: the provider declares the decode and prefill as checking their own calls
-    (:data:`FLASHMLA_VALIDATES`), so the trampoline has not run the metadata checks and these
-    kernels run them wherever FlashMLA would not see a malformed call; otherwise the trampoline
-    has run them."""
+    ``validates``: the ops the provider declares as checking their own calls
+    (``dispatch.Provider.validates``, :data:`FLASHMLA_VALIDATES`): the trampoline has not run the
+    metadata checks for them, so these kernels run them wherever FlashMLA would not see a
+    malformed call; for the other ops the trampoline has run them."""
 
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
-                 prefill_has_stats_flags: bool, v41_namespace=None, validates: bool = False):
+                 prefill_has_stats_flags: bool, v41_namespace=None, validates: tuple[str, ...] = ()):
         self.name = name  # the provider's
-        self.validates = validates
+        self.decode_validates = "flash_mla_with_kvcache" in validates
+        self.prefill_validates = "flash_mla_sparse_fwd" in validates
         self.prefill_log2 = prefill_log2
         self.prefill_has_stats_flags = prefill_has_stats_flags
         self.device = device
@@ -146,7 +147,7 @@ class FlashMLAKernels:
         kv = _cached_view(k_cache, page_size, kv_format)
         extra_kv = None if extra_k_cache is None else _cached_view(
             extra_k_cache, extra_page_size, extra_kv_format or kv_format)
-        if self.validates and not (
+        if self.decode_validates and not (
             # what FlashMLA's decode does not check itself (FLASHMLA_VALIDATES), or a path that does not
             # reach it: then the metadata checks run here
             batch and s_q and (heads == 64 or heads == 128) and kv_format == "v4"
@@ -211,7 +212,7 @@ class FlashMLAKernels:
         s_q, heads, _ = q.shape
         s_kv = kv.shape[0]
         _, kv_heads, width = indices.shape
-        if self.validates and not (
+        if self.prefill_validates and not (
             # what FlashMLA's prefill does not check itself (FLASHMLA_VALIDATES), or a path that does
             # not reach it: then the metadata checks run here
             s_q and s_kv and (heads == 64 or heads == 128) and kv_heads == 1
@@ -350,7 +351,7 @@ def _load_flash_mla(device: torch.device) -> dict:
     current = torch.ops.flash_mla if hasattr(torch.ops.flash_mla, "sparse_decode_fwd") else None
     return FlashMLAKernels(
         "flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True, v41_namespace=current,
-        validates=True,
+        validates=FLASHMLA_VALIDATES,
     ).kernels()
 
 
