@@ -344,10 +344,7 @@ def test_v41_formats_match_reference(device, kv_format, fused):
 def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr, HW: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n)
-    clamped = v
-    if not HW:  # as the store does: the conversion instruction saturates at +-448 itself
-        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(fp8_ptr + i, triton_store._e4m3fn_bits(clamped, HW), mask=i < n)
+    tl.store(fp8_ptr + i, triton_store._e4m3fn_saturated(v, HW), mask=i < n)
     tl.store(bf16_ptr + i, triton_store._bf16_bits(v, HW), mask=i < n)
     tl.store(exponent_ptr + i, triton_store._ue8m0_exponent(tl.abs(v)), mask=i < n)
 

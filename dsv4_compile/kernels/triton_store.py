@@ -66,9 +66,8 @@ _CONSTEXPRS = (
 
 
 def _e4m3fn_bits(v, HW: tl.constexpr):
-    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v``, round to nearest even: ``HW``: the
-    GPU's conversion instruction (SM89+; finite ``v`` past +-448 saturate to +-448), else in integer
-    arithmetic (the same bits for ``v`` in [-448, 448], which callers clamp to)."""
+    """float8_e4m3fn bits (int32 in 0..255) of fp32 ``v`` in [-448, 448], round to nearest even:
+    ``HW``: the GPU's conversion instruction (SM89+), else in integer arithmetic (the same bits)."""
     if HW:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     bits = v.to(tl.int32, bitcast=True)
@@ -80,6 +79,13 @@ def _e4m3fn_bits(v, HW: tl.constexpr):
     # the ulp of 2^14, so the low mantissa bits of the sum are the 3-bit code
     subnormal = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
     return sign | tl.where(mag < 0x3C800000, subnormal, normal)  # 0x3C800000 = 2^-6
+
+def _e4m3fn_saturated(v, HW: tl.constexpr):
+    """:func:`_e4m3fn_bits` of finite fp32 ``v`` clamped to [-448, 448]: ``HW``, the conversion
+    instruction saturates by itself (``cvt.rn.satfinite``); else clamped first."""
+    if not HW:
+        v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+    return _e4m3fn_bits(v, HW)
 
 def _bf16_bits(v, HW: tl.constexpr):
     """bfloat16 bits (int32 in 0..65535) of fp32 ``v``, round to nearest even, NaN kept quiet:
@@ -201,9 +207,7 @@ def _store_kernel(
     e = _ue8m0_exponent(amax)  # (of a NaN token: unused)
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
     scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
-    if not HW:  # the conversion instruction saturates at +-448 itself (satfinite)
-        scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
-    fp8 = tl.where(finite[:, None], _e4m3fn_bits(scaled, HW), 0x7F)
+    fp8 = tl.where(finite[:, None], _e4m3fn_saturated(scaled, HW), 0x7F)
     nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
     tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
     exponent_bytes = tl.where(finite[:, None], e + _BIAS, 0xFF)
@@ -240,7 +244,7 @@ def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexp
     bit kept). Returns ``(codes [BT, WIDTH] 0..15, scale bytes [BT, WIDTH // 16])`` (int32)."""
     groups = tl.reshape(values, (BLOCK_T, WIDTH // 16, 16))
     amax = tl.max(tl.abs(groups), axis=2)
-    scale_code = _e4m3fn_bits(tl.minimum(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), _FP8_MAX), HW)
+    scale_code = _e4m3fn_saturated(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), HW)
     v = tl.div_rn(groups, _e4m3_value(scale_code)[:, :, None])
     a = tl.abs(v)
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -325,8 +329,8 @@ def _store_v41_kernel(
 
 
 _JITTED = (
-    "_e4m3fn_bits", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims", "_max_nan", "_all_finite",
-    "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
+    "_e4m3fn_bits", "_e4m3fn_saturated", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims",
+    "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
     """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
