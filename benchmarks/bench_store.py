@@ -18,8 +18,6 @@ Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--to
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -28,9 +26,7 @@ import triton.testing
 import dsv4_compile as d4
 from dsv4_compile import layout
 from dsv4_compile.kernels import triton_common, triton_store
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import graph_timed  # noqa: E402
+from common import graph_timed
 
 PAGE_SIZE = 256
 BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES

@@ -41,6 +41,7 @@ import triton.testing
 import dsv4_compile as d4
 from dsv4_compile import dispatch, layout
 from dsv4_compile.kernels import triton_attention as ta
+from bench_step import copy_rate  # this directory's benchmark
 from common import DEV, decode_inputs
 
 SCALE = layout.HEAD_DIM**-0.5
@@ -54,14 +55,6 @@ MIN_SPLIT_KEYS_SWEEP = (32, 64, 128, 256, 640)
 PREFILL_SWEEP = [ta.Config(*c) for c in (
     (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2),
 )]
-
-
-def copy_tb_s() -> float:
-    """Device-to-device copy rate of 1 GiB, TB/s read + written."""
-    src = torch.empty(2**30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=100, return_mode="median")
-    return 2 * src.numel() / (ms / 1e3) / 1e12
 
 
 def roofline_us(nbytes: float, flops: float, copy: float, peak: float) -> float:
@@ -252,7 +245,7 @@ def main():
     torch.manual_seed(0)
     flashmla = flashmla_available()
     device = torch.device(DEV, torch.cuda.current_device())
-    copy = copy_tb_s()
+    copy = copy_rate(device) / 1e12  # TB/s read + written
     report = {
         "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
         "flashmla": flashmla, "decode_config": str(ta.decode_config(device)), "prefill_config": str(ta.prefill_config(device)),
