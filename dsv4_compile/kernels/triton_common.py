@@ -102,6 +102,7 @@ def require_device(triton, kernel, device: torch.device, what: str) -> None:
 
 
 _NO_GUARD = contextlib.nullcontext()
+_DEVICE_MODULES: dict = {}  # device type -> torch.cuda, torch.xpu, ...
 
 
 def device_guard(device: torch.device):
@@ -115,9 +116,6 @@ def device_guard(device: torch.device):
     if index == module.current_device():
         return _NO_GUARD
     return module.device(device)
-
-
-_DEVICE_MODULES: dict = {}  # device type -> torch.cuda, torch.xpu, ...
 
 
 #: Triton versions whose launcher internals :class:`EagerLauncher` calls (checked on the H200);
