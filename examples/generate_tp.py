@@ -75,8 +75,11 @@ def _run(args, device, tp) -> dict:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         torch.save({"logits": [l.cpu() for l in details["logits"]], "tokens": details["tokens"]},
                    Path(args.dump) / f"rank{tp.rank}.pt")
-    print(json.dumps(report) if args.json else "\n".join(f"[rank {tp.rank}] {k}: {v}" for k, v in report.items()),
-          flush=True)
+    text = json.dumps(report) if args.json else "\n".join(f"[rank {tp.rank}] {k}: {v}" for k, v in report.items())
+    # one write of the report with its newline: the ranks share stdout, and a report printed in
+    # several writes can be interleaved with another rank's (a pipe takes a write of <= 4 KB whole)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
     return report
 
 
