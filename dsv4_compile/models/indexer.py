@@ -15,7 +15,8 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
 * tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
   logits are all-reduced before the selection, so every rank selects the same blocks.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
-  ``index_topk`` best (ties broken by ``torch.topk``); ``-1`` pads to the fixed width.
+  ``index_topk`` best, in no particular order (ties broken by ``torch.topk``; unsorted, which
+  spares a sort of the candidates on CUDA); ``-1`` pads to the fixed width.
 
 Deviation: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
 before the logits; here both stay float32, and the key cache is a float32 buffer addressed by c4
@@ -110,5 +111,5 @@ class Indexer(nn.Module):
         in_order = torch.where(order < lengths[:, None], order, -1)  # every visible block
         if num_blocks <= self.topk:
             return in_order
-        best = logits.topk(self.topk, dim=-1).indices
+        best = logits.topk(self.topk, dim=-1, sorted=False).indices  # order: free (attention sums any order)
         return torch.where(lengths[:, None] <= self.topk, in_order, best)
