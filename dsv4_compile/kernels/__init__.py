@@ -4,6 +4,7 @@ lazily, at first use.
 
 * :mod:`.reference` — plain PyTorch, every device, the executable spec (``reference``).
 * :mod:`.flashmla` — CUDA decode / prefill / scheduler through FlashMLA (``sgl_kernel``, ``flashmla``).
+* :mod:`.flashmla_schedule` — FlashMLA's SM90 decode schedule from one Triton program (``flashmla``).
 * :mod:`.xpu` — sgl-kernel-xpu on Intel GPUs (``sgl_kernel_xpu``).
 * :mod:`.triton_store` — our Triton cache store on CUDA and XPU (``triton``).
 * :mod:`.triton_attention` — portable Triton sparse decode and prefill (``triton``): GPUs FlashMLA

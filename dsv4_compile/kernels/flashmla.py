@@ -19,8 +19,9 @@ kernels (docs/design.md §2.3, §6):
 * the cache: the 4-D ``float8_e4m3fn [num_pages, P, 1, token_bytes]`` view is built from the base
   uint8 tensor (once per cache tensor), page stride kept;
 * statistics: always natural log, always three prefill outputs;
-* scheduler metadata: plain tensors (see :meth:`FlashMLAKernels.get_mla_metadata`), or computed
-  inside the call (always for V4.1 caches: the metadata op schedules for the V4 kernels).
+* scheduler metadata: plain tensors (see :meth:`FlashMLAKernels.get_mla_metadata`; on SM90
+  computed by our Triton program, :mod:`.flashmla_schedule`), or computed inside the call (always
+  for V4.1 caches: the metadata op schedules for the V4 kernels).
 
 Everything is sized from shapes: no host sync, capture-safe, unless checked mode is on.
 """
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import checks, dispatch, layout, ops
+from . import flashmla_schedule
 
 DECODE_TOPK_MULTIPLE = 64
 PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
@@ -83,11 +85,15 @@ class FlashMLAKernels:
     ``validates``: the ops the provider declares as checking their own calls
     (``dispatch.Provider.validates``, :data:`FLASHMLA_VALIDATES`): the trampoline has not run the
     metadata checks for them, so these kernels run them wherever FlashMLA would not see a
-    malformed call; for the other ops the trampoline has run them."""
+    malformed call; for the other ops the trampoline has run them. ``own_schedule``: compute the
+    scheduler metadata with :mod:`.flashmla_schedule` (the library's schedule, bit for bit, where
+    that was checked: SM90's legacy kernels) instead of asking the library."""
 
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
-                 prefill_has_stats_flags: bool, v41_namespace=None, validates: tuple[str, ...] = ()):
+                 prefill_has_stats_flags: bool, v41_namespace=None, validates: tuple[str, ...] = (),
+                 own_schedule: bool = False):
         self.name = name  # the provider's
+        self.own_schedule = own_schedule
         self.decode_validates = "flash_mla_with_kvcache" in validates
         self.prefill_validates = "flash_mla_sparse_fwd" in validates
         self.prefill_log2 = prefill_log2
@@ -107,16 +113,29 @@ class FlashMLAKernels:
         )
 
     def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
-        """The exact scheduler FlashMLA's decode computes for these shapes and length values.
-
-        FlashMLA has no standalone op for the sparse-decode scheduler, so run its decode once with
-        every index a hole over a one-page dummy cache: it schedules from ``topk_length`` /
-        ``extra_topk_length`` and the widths only, reads no key, and returns the fresh metadata.
-        """
+        """The exact scheduler FlashMLA's decode computes for these shapes and length values: from
+        :mod:`.flashmla_schedule` where it computes the library's (``own_schedule``: SM90's
+        legacy kernels), else from the library itself (:meth:`library_schedule`)."""
         batch, s_q, heads = q.shape[:3]
+        meta_shape, splits_shape = metadata_shapes(q.device, batch, s_q, heads)
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; the decode will not launch
-            meta_shape, splits_shape = metadata_shapes(q.device, batch, s_q, heads)
             return (q.new_zeros(meta_shape, dtype=torch.int32), q.new_zeros(splits_shape, dtype=torch.int32))
+        if not self.own_schedule:
+            return self.library_schedule(q, indices, topk_length, extra_indices, extra_topk_length)
+        width = _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE)
+        if extra_indices is None:
+            extra_width, extra_topk_length = 0, None
+        else:
+            extra_width = _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
+        return flashmla_schedule.schedule(
+            topk_length, extra_topk_length, width, extra_width, meta_shape, batch, q.device)
+
+    def library_schedule(self, q, indices, topk_length, extra_indices, extra_topk_length):
+        """FlashMLA's scheduler, run by the library (``batch, s_q >= 1``). It has no standalone op
+        for the sparse-decode scheduler, so run its decode once with every index a hole over a
+        one-page dummy cache: it schedules from ``topk_length`` / ``extra_topk_length`` and the
+        widths only, reads no key, and returns the fresh metadata."""
+        batch, s_q, heads = q.shape[:3]
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
         dummy = _dummy_cache(q.device)
@@ -352,6 +371,7 @@ def _load_flash_mla(device: torch.device) -> dict:
     return FlashMLAKernels(
         "flashmla", ns, device, prefill_log2=False, prefill_has_stats_flags=True, v41_namespace=current,
         validates=FLASHMLA_VALIDATES,
+        own_schedule=_capability(device) == (9, 0) and flashmla_schedule.available(device),
     ).kernels()
 
 
