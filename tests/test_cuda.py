@@ -193,7 +193,7 @@ def test_cuda_graph_replay_follows_length_changes():
         meta, splits = d4.get_mla_metadata(q, idx, lengths, eidx, elen)
         return d4.flash_mla_with_kvcache(q, cache, 256, idx, lengths, sink, ecache, 2, eidx, elen, meta, splits)
 
-    step()  # warm up (lazy resolution, dummy cache)
+    step()  # warm up (lazy resolution, first launches)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
