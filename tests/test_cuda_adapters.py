@@ -148,6 +148,22 @@ def test_hoisted_metadata_is_identical_and_shaped_like_the_fake(provider):
     assert standin.CALLS[-1][1]["meta"] is meta  # passed through, not recomputed
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_own_schedule_only_where_it_was_checked_against_the_library(provider, monkeypatch, capability):
+    """Our Triton schedule (kernels/flashmla_schedule.py) serves ``flashmla`` on SM90, where
+    test_flashmla_schedule.py compares it with FlashMLA's own; elsewhere the library schedules."""
+    from dsv4_compile.kernels import flashmla_schedule
+
+    monkeypatch.setattr(flashmla_schedule, "available", lambda device: True)
+    monkeypatch.setattr(flashmla, "_capability", lambda device: capability)
+    device = torch.device("cuda", 0)
+    load = flashmla._load_flash_mla if provider == "flashmla" else flashmla._load_sgl_kernel
+    kernels = load(device)["get_mla_metadata"].__self__
+    assert kernels.own_schedule == (provider == "flashmla" and capability == (9, 0))
+    monkeypatch.setattr(flashmla_schedule, "available", lambda device: False)  # no Triton for CUDA
+    assert not load(device)["get_mla_metadata"].__self__.own_schedule
+
+
 def test_stale_metadata_is_caught_in_checked_mode(provider):
     args = decode_case(64)
     meta, splits = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
