@@ -183,6 +183,11 @@ def slot(page: torch.Tensor | int, offset: torch.Tensor | int, page_size: int):
     return page * page_size + offset
 
 
+def is_power_of_two(page_size: int) -> bool:
+    """Whether a page size is a power of two (kernels split a slot by a shift and a mask then)."""
+    return page_size > 0 and page_size & (page_size - 1) == 0
+
+
 def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split slots into ``(page, offset)``; meaningful for valid (non-negative) slots only."""
     return torch.div(slots, page_size, rounding_mode="floor"), torch.remainder(slots, page_size)

@@ -592,7 +592,7 @@ def _format_kwargs(kv_format: str, extra_kv_format: str | None) -> dict:
 def _page_shift(page_size) -> tuple[int, bool]:
     """``(log2 page_size, True)`` for a page size that is a power of two, else ``(0, False)``; a
     symbolic page size (traced) takes the division path: no guard on its value."""
-    if isinstance(page_size, int) and page_size > 0 and page_size & (page_size - 1) == 0:
+    if isinstance(page_size, int) and layout.is_power_of_two(page_size):
         return page_size.bit_length() - 1, True
     return 0, False
 

@@ -76,7 +76,7 @@ def load(device: torch.device) -> dict[str, Callable]:
 #: and it reads and writes V4 caches only.
 STORE_RULE = dispatch.Rule(
     "page_size a power of two and kv_format 'v4'",
-    lambda device, call: _is_power_of_two(call.page_size) and call.kv_format == "v4",
+    lambda device, call: layout.is_power_of_two(call.page_size) and call.kv_format == "v4",
 )
 DECODE_RULE = dispatch.Rule("kv_format 'v4'", lambda device, call: call.kv_format == "v4")
 
@@ -120,10 +120,6 @@ def _per_row(lengths: torch.Tensor | None, s_q: int) -> torch.Tensor | None:
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 # --------------------------------------------------------------------------------------------
