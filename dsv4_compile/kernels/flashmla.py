@@ -62,6 +62,13 @@ def _pad_width(indices: torch.Tensor, width: int, multiple: int) -> torch.Tensor
     return F.pad(indices, (0, _round_up(width, multiple) - width), value=-1)
 
 
+def _decode_widths(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> tuple[int, int]:
+    """The index widths the decode runs with: padded to multiples of 64 (the extra one 0 without
+    extra indices); its scheduler counts in them."""
+    extra = 0 if extra_indices is None else _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
+    return _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE), extra
+
+
 def _head_groups(heads: int):
     """``(start, stop, padded)`` per kernel call."""
     padded = padded_heads(heads)
@@ -122,11 +129,7 @@ class FlashMLAKernels:
             return (q.new_zeros(meta_shape, dtype=torch.int32), q.new_zeros(splits_shape, dtype=torch.int32))
         if not self.own_schedule:
             return self.library_schedule(q, indices, topk_length, extra_indices, extra_topk_length)
-        width = _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE)
-        if extra_indices is None:
-            extra_width, extra_topk_length = 0, None
-        else:
-            extra_width = _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
+        width, extra_width = _decode_widths(indices, extra_indices)
         return flashmla_schedule.schedule(
             topk_length, extra_topk_length, width, extra_width, meta_shape, batch, q.device)
 
@@ -139,16 +142,14 @@ class FlashMLAKernels:
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
         dummy = _dummy_cache(q.device)
-        width = _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE)
+        width, extra_width = _decode_widths(indices, extra_indices)
         holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
         extra_kv = extra_holes = None
         if extra_indices is not None:
             extra_kv = dummy
-            extra_width = _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
             extra_holes = torch.full((batch, s_q, extra_width), -1, dtype=torch.int32, device=q.device)
         _, _, meta, splits = self._raw_decode(
-            qp, dummy, holes, topk_length, None, None, None,
-            extra_kv, extra_holes, extra_topk_length if extra_indices is not None else None, 1.0,
+            qp, dummy, holes, topk_length, None, None, None, extra_kv, extra_holes, extra_topk_length, 1.0,
         )
         # column 7 is the scheduler record's padding, never written: zero it so that the metadata
         # is a deterministic function of the inputs (opcheck, reproducible runs)
