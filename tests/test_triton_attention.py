@@ -338,8 +338,7 @@ def random_records(num_pages, page_size, kv_format):
     data = layout.data_records(cache, page_size, kv_format)
     scales = layout.scale_records(cache, page_size, kv_format)
     n = num_pages * page_size
-    if fmt.values == "fp4":
-        data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8))  # every e2m1 code pair
+    if fmt.values == "fp4":  # the random data bytes hold every e2m1 code pair
         codes = torch.arange(scales.numel()) % 256
         scales.copy_(torch.where((codes & 0x7F) == 0x7F, 0x7E, codes).view(scales.shape).to(torch.uint8))
         return cache
