@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4_compile.models import DeepseekV4Config, apply_rope, layer_rope_table, tiny_config
-from dsv4_compile.models.rope import inv_freq
+from dsv4_compile.models.rope import inv_freq, rope_last
 
 
 def test_defaults_are_dsv4_flash():
@@ -88,3 +88,16 @@ def test_inverse_rope_undoes_rope():
     e0[0, 0] = 1
     rotated = apply_rope(e0, table, torch.tensor([1]))
     torch.testing.assert_close(rotated[0, :2], torch.tensor([math.cos(1.0), math.sin(1.0)]))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape", [(5, 512), (5, 3, 512), (4, 2, 128), (3, 64), (0, 3, 512)])
+def test_rope_last_rotates_the_last_dims_as_apply_rope_does_bit_for_bit(shape, inverse):
+    table = layer_rope_table(tiny_config(), 4)
+    x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x.view(-1)[:7] = float("nan")  # a NaN moves nothing into another pair or into the pass-through dims
+    pos = torch.arange(shape[0]) * 37
+    got = rope_last(x, table, pos, inverse=inverse)
+    want = torch.cat([x[..., :-64].float(), apply_rope(x[..., -64:], table, pos, inverse=inverse)], -1)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -95,7 +95,7 @@ def apply_rope(
     Forward: ``(a, b) -> (a c - b s, a s + b c)``; inverse (the conjugate rotation):
     ``(a, b) -> (a c + b s, b c - a s)``. Returns float32 of ``x``'s shape.
     """
-    cs = table[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), -1, 2)
+    cs = table[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), x.shape[-1] // 2, 2)
     cos, sin = cs[..., 0], cs[..., 1]
     if inverse:
         sin = -sin
@@ -106,6 +106,23 @@ def apply_rope(
 def rope_last(
     x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False
 ) -> torch.Tensor:
-    """``x`` (float32) with its last ``ROPE_DIM`` dims rotated; the leading dims pass through."""
-    nope, rope = x[..., : -layout.ROPE_DIM], x[..., -layout.ROPE_DIM :]
-    return torch.cat([nope.float(), apply_rope(rope, table, positions, inverse=inverse)], dim=-1)
+    """``x`` (float32) with its last ``ROPE_DIM`` dims rotated; the leading dims pass through.
+
+    The same arithmetic as :func:`apply_rope` on the last dims (bit for bit, eagerly), written over
+    the full width: ``where(rope dim, x * cos + partner * sin, x)``, where ``partner`` is the
+    other element of the dim's pair (``x[d ^ 1]``) and ``sin`` carries the pair member's sign.
+    Every term is elementwise over ``x``'s shape (no slicing and concatenation), so Inductor fuses
+    the rotation into the kernel that produces ``x`` (e.g. the query's RMSNorm) and its consumer.
+    """
+    x = x.float()
+    width, half = x.shape[-1], layout.ROPE_DIM // 2
+    cs = table[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), half, 2)
+    cos, sin = cs[..., :1], cs[..., 1:]
+    # pair (a, b): a' = a c - b s = a c + b (-s); b' = b c + a s (inverse: s -> -s)
+    signed = torch.cat([sin, -sin] if inverse else [-sin, sin], dim=-1)
+    pad = (width - layout.ROPE_DIM, 0)
+    cos = torch.nn.functional.pad(cos.expand(cs.shape).flatten(-2), pad)
+    signed = torch.nn.functional.pad(signed.flatten(-2), pad)
+    partner = x.unflatten(-1, (width // 2, 2)).flip(-1).flatten(-2)
+    rope = torch.arange(width, device=x.device) >= width - layout.ROPE_DIM
+    return torch.where(rope, x * cos + partner * signed, x)
