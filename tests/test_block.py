@@ -153,6 +153,31 @@ def test_one_graph_no_breaks(ratio, step):
 # --------------------------------------------------------------------------------------------
 
 
+def untied_rows(layer: DeepseekV4Attention, args: dict) -> torch.Tensor:
+    """Rows of the step ``args`` whose selected block set does not hang on rounding, as a CPU bool
+    mask. The indexer selects with a discrete top-k over logits computed from bf16 queries and
+    weights; two computations that round those bf16 values differently (eager and Inductor's
+    fused kernels) move the logits by up to ~1% (seen on the H200: selections flipped at
+    relative gaps of 0.1-0.8% between the ``index_topk``-th logit and the next), and exact ties
+    (e.g. at 0, where every head's ReLU is 0) are broken by ``torch.topk`` as its kernel goes. A
+    ratio-4 row whose gap is within 2^-6 of the ``index_topk``-th logit may select either block.
+    ``layer`` is not changed (a twin runs the step)."""
+    rows = args["positions"].shape[0]
+    if layer.indexer is None:
+        return torch.ones(rows, dtype=torch.bool)
+    twin, seen = copy.deepcopy(layer), []
+    select = twin.indexer.select
+    twin.indexer.select = lambda logits, lengths: seen.append((logits, lengths)) or select(logits, lengths)
+    with torch.no_grad():
+        layer_step(twin, **args)
+    (logits, lengths), k = seen[0], twin.indexer.topk
+    if logits.shape[1] <= k:
+        return torch.ones(rows, dtype=torch.bool)
+    top = logits.topk(k + 1, dim=-1).values
+    near = (top[:, k - 1] - top[:, k]).abs() <= 2**-6 * top[:, k - 1].abs()
+    return ~((lengths > k) & near).cpu()
+
+
 def compiled_and_eager(ratio, step, device="cpu", **compile_kwargs):
     """(compiled layer, its output, eager twin, its output) after the prompts and ``step``."""
     torch._dynamo.reset()
@@ -238,7 +263,9 @@ def test_cuda_compiled_equals_eager(ratio, step):
         explanation = torch._dynamo.explain(layer_step)(prompted_layer(ratio, "cuda"), **second_args(step, "cuda"))
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
     compiled, got, eager, want = compiled_and_eager(ratio, step, "cuda")
-    torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)
+    untied = untied_rows(prompted_layer(ratio, "cuda"), second_args(step, "cuda"))
+    assert untied.float().mean() > 0.75, "the comparison must cover most rows"
+    torch.testing.assert_close(got.cpu()[untied], want.cpu()[untied], atol=2**-6, rtol=2**-6)
     assert_same_state(compiled, eager, exact=False)
 
 

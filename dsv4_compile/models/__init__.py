@@ -2,6 +2,7 @@
 
 ``config``      hyperparameters (DSV4-Flash defaults, small test configs) and cache sizes
 ``rope``        interleaved RoPE with DSV4's YaRN blend; the ``[max_pos, 64]`` tables
+``linear``      the GEMMs in bf16 / float32 outputs, and both from one stacked weight
 ``metadata``    the per-step metadata builder (slots, window and block indices, compressor plans)
 ``compressor``  gated softmax pooling of ratio-4 (overlapping) / ratio-128 blocks
 ``indexer``     the lightning indexer of ratio-4 layers (top-k compressed blocks)

@@ -1,7 +1,10 @@
 """``DeepseekV4Attention``: one DSV4 attention layer over the ``dsv4`` ops (docs/design.md §4).
 
 Math per step (upstream: SGLang ``python/sglang/srt/models/deepseek_v4.py`` ``MQALayer``,
-revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``:
+revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``. The projections of ``x`` that every
+rank holds (``wq_a``, ``wkv`` and the compressors' ``wkv_gate``) are rows of one weight,
+``x_proj`` (:meth:`DeepseekV4Attention.x_weight` names them), read by one GEMM per step
+(:func:`~.linear.linear_split`: ``wq_a`` and ``wkv`` rounded to bf16, the compressors' in float32).
 
 1. ``q_lora = RMSNorm(wq_a x)``; ``q = wq_b q_lora`` ``[T, H, D]``; per-head unweighted RMSNorm,
    then RoPE on dims 448..511 at the token position.
@@ -37,6 +40,7 @@ from .. import layout, ops
 from .compressor import Compressor
 from .config import CacheConfig, DeepseekV4Config
 from .indexer import Indexer
+from .linear import linear_split
 from .metadata import StepMetadata
 from .norm import RMSNorm, rms_norm
 from .parallel import SINGLE, TensorParallel, shard_
@@ -74,10 +78,8 @@ class DeepseekV4Attention(nn.Module):
         hidden, d = config.hidden_size, layout.HEAD_DIM
         linear = dict(bias=False, device=device, dtype=dtype)
 
-        self.wq_a = nn.Linear(hidden, config.q_lora_rank, **linear)
         self.q_norm = RMSNorm(config.q_lora_rank, self.eps, device=device, dtype=dtype)
         self.wq_b = nn.Linear(config.q_lora_rank, self.heads * d, **linear)
-        self.wkv = nn.Linear(hidden, d, **linear)
         self.kv_norm = RMSNorm(d, self.eps, device=device, dtype=dtype)
         self.wo_a = nn.Linear(self.heads * d // self.groups, self.groups * self.o_lora_rank, **linear)
         self.wo_b = nn.Linear(self.groups * self.o_lora_rank, hidden, **linear)
@@ -96,23 +98,35 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = self.indexer = None
         if compress_ratio:
             self.compressed_page_size = cache.compressed_page_size(compress_ratio)
-            self.compressor = Compressor(
-                hidden, d, compress_ratio, max_requests=cache.max_requests, device=device, dtype=dtype
-            )
+            self.compressor = Compressor(d, compress_ratio, max_requests=cache.max_requests, device=device)
             self.register_buffer("compressed_cache", layout.alloc_cache(
                 cache.num_pages, self.compressed_page_size, device, kv_format=self.compressed_format,
             ))
         if compress_ratio == 4:
             self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype, tp=tp)
 
+        # every projection of x that is replicated across ranks, stacked: one GEMM reads them all
+        widths = {"wq_a": config.q_lora_rank, "wkv": d}  # bf16 outputs, then float32 ones:
+        if self.compressor is not None:
+            widths["compressor.wkv_gate"] = self.compressor.proj_width
+        if self.indexer is not None:
+            widths["indexer.compressor.wkv_gate"] = self.indexer.compressor.proj_width
+        self.x_rows, start = {}, 0
+        for name, width in widths.items():
+            self.x_rows[name], start = slice(start, start + width), start + width
+        self.x_proj = nn.Linear(hidden, start, **linear)
+
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; stores this step's keys into the layer's caches."""
         positions = meta.positions
-        q_lora = self.q_norm(self.wq_a(x))
+        # [wq_a x | wkv x] in x's dtype and the compressors' float32 projections, from one GEMM
+        projected, projected_fp32 = linear_split(x, self.x_proj.weight, self.x_rows["wkv"].stop)
+        q_a, kv = projected.split([self.x_rows["wq_a"].stop, layout.HEAD_DIM], -1)
+        q_lora = self.q_norm(q_a)
         q = self.wq_b(q_lora).unflatten(-1, (self.heads, layout.HEAD_DIM))
         q = rope_last(rms_norm(q, None, self.eps), self.freqs, positions).to(x.dtype)
         ops.fused_k_norm_rope_flashmla(
-            self.wkv(x), self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
+            kv, self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
             self.swa_cache, self.eps, self.page_size, self.kv_format,
         )
 
@@ -120,14 +134,16 @@ class DeepseekV4Attention(nn.Module):
         remember = []  # compressor rings are written last (Compressor.remember)
         if self.compressor is not None:
             plan = meta.plans[self.compress_ratio]
-            latent, tokens = self.compressor(x, plan)
+            latent, tokens = self.compressor(self._projected(projected_fp32, "compressor.wkv_gate"), plan)
             remember.append((self.compressor, plan, tokens))
             ops.fused_k_norm_rope_flashmla(
                 latent, self.compressor.norm_weight, self.freqs, plan.emit_pos, plan.emit_slot,
                 self.compressed_cache, self.eps, self.compressed_page_size, self.compressed_format,
             )
             if self.indexer is not None:
-                blocks, tokens = self.indexer(x, q_lora, meta)
+                blocks, tokens = self.indexer(
+                    x, q_lora, self._projected(projected_fp32, "indexer.compressor.wkv_gate"), meta
+                )
                 remember.append((self.indexer.compressor, plan, tokens))
             else:  # ratio 128: every visible block
                 k = torch.arange(plan.block_slots.shape[1], device=x.device)
@@ -142,6 +158,16 @@ class DeepseekV4Attention(nn.Module):
         for compressor, plan, tokens in remember:
             compressor.remember(plan, tokens)
         return out
+
+    def x_weight(self, name: str) -> torch.Tensor:
+        """The rows of :attr:`x_proj` that are the projection ``name`` (a key of :attr:`x_rows`:
+        ``wq_a``, ``wkv``, ``compressor.wkv_gate``, ``indexer.compressor.wkv_gate``); a view."""
+        return self.x_proj.weight[self.x_rows[name]]
+
+    def _projected(self, projected_fp32: torch.Tensor, name: str) -> torch.Tensor:
+        """The columns of the float32 part of the stacked projection that belong to ``name``."""
+        rows, first = self.x_rows[name], self.x_rows["wkv"].stop
+        return projected_fp32[:, rows.start - first : rows.stop - first]
 
     def _decode(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
         extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None,

@@ -5,8 +5,10 @@ Semantics follow SGLang ``python/sglang/srt/layers/attention/dsv4/compressor.py`
 ``compressor_cpu.py`` (revision 8a78ad53), in the natural (checkpoint) layout of ``ape``, i.e.
 before the CUDA kernel's ``apply_ape_hotfix`` permutation:
 
-* ``[kv, score] = x @ wkv_gate^T`` in float32 (:func:`linear_fp32`), each ``coff * d`` wide
-  (``coff = 2`` for ratio 4, else 1); ``score += ape[pos % ratio]`` (``ape [ratio, coff*d]``, float32).
+* ``[kv, score] = x @ wkv_gate^T`` in float32, each ``coff * d`` wide (``coff = 2`` for ratio 4,
+  else 1); ``score += ape[pos % ratio]`` (``ape [ratio, coff*d]``, float32). The layer owns
+  ``wkv_gate``: it is rows of the layer's stacked input projection
+  (:attr:`~.attention.DeepseekV4Attention.x_proj`), so the compressor takes the projected tokens.
 * Block ``k`` (tokens ``[k*ratio, (k+1)*ratio)``) is pooled when its last token arrives:
   ``c = sum_j kv_j * softmax_j(score_j)`` (softmax over the pooled tokens, per dim).
   Ratio 128 pools the block's own tokens. Ratio 4 **overlaps**: it pools ``2*ratio`` tokens, the
@@ -34,19 +36,6 @@ from torch import nn
 from .metadata import CompressPlan, overlaps, source_window
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` in float32, as upstream computes the compressor's projection.
-
-    For bf16 ``x`` and ``weight`` on CUDA: one bf16 tensor-core GEMM that accumulates in and
-    returns float32 (``torch.mm(..., out_dtype=torch.float32)``). A product of two bf16 values is
-    exact in float32, so this is the float32 GEMM up to summation order, without converting the
-    weight to float32 each step (which cost a 2x larger weight read, a write and a CUDA-core
-    float32 GEMM). Elsewhere (CPU, XPU: no ``mm`` with ``out_dtype`` there) the float32 GEMM."""
-    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-    return torch.nn.functional.linear(x.float(), weight.float())
-
-
 class StepTokens(NamedTuple):
     """A step's projected tokens ``[T, coff*d]`` float32: ``kv`` and ``score`` (``ape`` added)."""
 
@@ -57,32 +46,24 @@ class StepTokens(NamedTuple):
 class Compressor(nn.Module):
     """Pools ``ratio`` (ratio 4: ``2*ratio``, overlapping) tokens into one ``head_dim`` latent."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        ratio: int,
-        *,
-        max_requests: int,
-        device=None,
-        dtype=torch.bfloat16,
-    ):
+    def __init__(self, head_dim: int, ratio: int, *, max_requests: int, device=None):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
         self.coff = 2 if overlaps(ratio) else 1
         width = self.coff * head_dim
-        self.wkv_gate = nn.Linear(hidden_size, 2 * width, bias=False, device=device, dtype=dtype)
+        self.proj_width = 2 * width  # the rows of wkv_gate: kv, then score
         self.ape = nn.Parameter(torch.zeros(ratio, width, device=device, dtype=torch.float32))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=torch.float32))
         ring = (max_requests + 1) * source_window(ratio)  # + a scratch request row
         self.register_buffer("state_kv", torch.zeros(ring, width, device=device))
         self.register_buffer("state_score", torch.zeros(ring, width, device=device))
 
-    def forward(self, x: torch.Tensor, plan: CompressPlan) -> tuple[torch.Tensor, StepTokens]:
+    def forward(self, projected: torch.Tensor, plan: CompressPlan) -> tuple[torch.Tensor, StepTokens]:
         """Pooled latents ``[N, head_dim]`` float32 of the plan's candidates (zero where
-        ``emit_slot`` is -1), and this step's projected tokens, for :meth:`remember`."""
+        ``emit_slot`` is -1), and this step's tokens, for :meth:`remember`. ``projected``: the
+        step's ``x @ wkv_gate^T`` ``[T, proj_width]`` float32."""
         width, d, r = self.coff * self.head_dim, self.head_dim, self.ratio
-        kv, score = linear_fp32(x, self.wkv_gate.weight).split(width, -1)
+        kv, score = projected.split(width, -1)
         score = score + self.ape[plan.block_offset]
 
         from_step = plan.source_from_step[..., None]

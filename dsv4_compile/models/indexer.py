@@ -8,7 +8,8 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   ``q_lora``), interleaved RoPE on its last 64 dims at the token position (the layer's table),
   then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm.
 * head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5``.
-* keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block; the
+* keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block (its
+  ``wkv_gate`` is rows of the layer's stacked input projection); the
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated.
 * logits over the request's visible blocks ``k < (pos+1)//4``:
   ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``.
@@ -75,22 +76,21 @@ class Indexer(nn.Module):
         )
         shard_(self.wq_b, weight=0)
         shard_(self.weights_proj, weight=0)
-        self.compressor = Compressor(
-            config.hidden_size, self.head_dim, RATIO,
-            max_requests=cache.max_requests, device=device, dtype=dtype,
-        )
+        self.compressor = Compressor(self.head_dim, RATIO, max_requests=cache.max_requests, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim, device), persistent=False)
         slots = cache.num_pages * cache.compressed_page_size(RATIO)
         self.register_buffer("keys", torch.zeros(slots + 1, self.head_dim, device=device))
 
     def forward(
-        self, x: torch.Tensor, q_lora: torch.Tensor, meta: StepMetadata
+        self, x: torch.Tensor, q_lora: torch.Tensor, projected: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, StepTokens]:
         """Selected block ids ``[T, index_topk]`` int64 (``-1`` = none), after storing the keys of
-        the blocks this step completes; and the compressor's step tokens (for ``remember``)."""
+        the blocks this step completes; and the compressor's step tokens (for ``remember``).
+        ``projected``: the step's projection for the key compressor (``x @ wkv_gate^T``, float32,
+        from the layer's stacked input projection)."""
         plan = meta.plans[RATIO]
-        latent, tokens = self.compressor(x, plan)
+        latent, tokens = self.compressor(projected, plan)
         key = rope_last(rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos)
         scratch = self.keys.shape[0] - 1
         self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key @ self.hadamard

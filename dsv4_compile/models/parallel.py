@@ -6,9 +6,9 @@ rows of ``wq_b``, their ``attn_sink`` entries and their output groups (``o_group
 sum that :meth:`TensorParallel.all_reduce` adds up). The ratio-4 indexer splits its heads the same
 way (rows of its ``wq_b`` and ``weights_proj``) and all-reduces its block logits before the top-k.
 The small MLP is column-parallel (``gate``, ``up``) then row-parallel (``down``) with one
-all-reduce. Everything with one KV head is replicated on every rank: ``wq_a`` and its norm,
-``wkv`` and ``kv_norm``, the compressors, the latent caches, the compressed caches and the
-indexer's keys (MQA), and the embedding, norms and LM head. So a rank runs the ``dsv4`` ops over
+all-reduce. Everything with one KV head is replicated on every rank: ``x_proj`` (``wq_a``,
+``wkv`` and the compressors' ``wkv_gate``), the norms, the compressors, the latent caches, the
+compressed caches and the indexer's keys (MQA), and the embedding, final norm and LM head. So a rank runs the ``dsv4`` ops over
 its ``H/N`` heads, which the ops pad to what a kernel needs (FlashMLA: 64 or 128).
 
 The all-reduce is a functional collective (``torch.distributed._functional_collectives``): it
