@@ -152,9 +152,11 @@ class DeepseekV4Attention(nn.Module):
         attend = self._decode if meta.mode == "decode" else self._prefill
         out = attend(q, meta, blocks)  # [T, H, D] bf16
         out = rope_last(out, self.freqs, positions, inverse=True).to(x.dtype)
-        out = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        out = self.tp.all_reduce(self.wo_b(torch.einsum("tgd,grd->tgr", out, wo_a).flatten(1)))
+        # group g's heads through its block of wo_a: one batched GEMM over [G, T, H*D/G] views
+        grouped = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).transpose(0, 1)
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1).transpose(1, 2)
+        low = torch.bmm(grouped, wo_a).transpose(0, 1).flatten(1)  # [T, G * o_lora_rank]
+        out = self.tp.all_reduce(self.wo_b(low))
         for compressor, plan, tokens in remember:
             compressor.remember(plan, tokens)
         return out
