@@ -20,15 +20,17 @@ compressed keys selected, and on ratio-4 layers the indexer's keys of every visi
 divided by the device-to-device copy rate measured in the same run (bytes read + written per
 second). ``roofline_share`` = roofline time / step time.
 
-``--profile DIR``: a ``torch.profiler`` table of the compiled (default mode) step's GPU kernels at
-the largest batch, grouped by layer part (from the kernels' names), Inductor's code of that step,
-and the Python functions its host time goes to (``cProfile``).
+``--profile DIR``: for each batch size, a ``torch.profiler`` table of the compiled (default mode)
+step's GPU kernels, grouped by layer part (from the kernels' names), its GEMMs by operand shapes
+(with their largest operand: mostly the weight), Inductor's code of that step (``DIR/b<batch>/``), and the Python
+functions its host time goes to (``cProfile``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -141,14 +143,20 @@ def graph_kernels(step, steps: int, device, directory: Path) -> dict:
     for _ in range(3):
         step()
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             step()
         sync(device)
     rows = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+    for e in prof.key_averages():  # GPU kernels and copies; not the "## ... ##" annotation ranges
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0 and not e.key.startswith("##"):
             rows[e.key] = (e.device_time_total / steps, e.count // steps)
+    gemms = []  # each GEMM call site by its operand shapes (the last: the output), with its kernels' time
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in GEMM_OPS and e.device_time_total > 0:
+            largest = max((math.prod(s) for s in e.input_shapes[:-1] if s), default=0)  # the weight, mostly
+            gemms.append({"op": e.key, "shapes": e.input_shapes, "calls": e.count // steps,
+                          "us": round(e.device_time_total / steps, 2), "largest_operand": largest})
     directory.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(directory / "decode_step_trace.json"))
     parts = {}
@@ -160,7 +168,29 @@ def graph_kernels(step, steps: int, device, directory: Path) -> dict:
         "kernels_per_step": sum(n for _, n in rows.values()),
         "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": n[:160], "us": round(us, 2), "calls": c} for n, (us, c) in top],
+        "gemms": sorted(gemms, key=lambda g: -g["us"]),
     }
+
+
+#: the aten GEMMs Inductor calls (``extern_kernels``); their device time includes split-K reductions
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_step(model, texts, b: int, device, directory: Path) -> dict:
+    """The compiled (default mode) decode step of ``b`` requests: Inductor's code, its GPU kernels
+    (:func:`graph_kernels`) and its host time (:func:`host_functions`), under ``directory``."""
+    from torch._inductor.utils import run_and_get_code
+
+    inputs = decode_inputs(Batch([t + [1] for t in texts[:b]]), device)
+    torch._dynamo.reset()
+    named = torch.compile(model, fullgraph=True)
+    _, code = run_and_get_code(named, **inputs, mode="decode")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "decode_step_code.py").write_text("\n\n".join(code))
+    result = graph_kernels(lambda: named(**inputs, mode="decode"), 10, device, directory)
+    result["host"] = host_functions(lambda: named(**inputs, mode="decode"), 20, device)
+    print(json.dumps({"batch": b, **result}), flush=True)  # progress
+    return result
 
 
 def host_functions(step, steps: int, device, top: int = 25) -> list[dict]:
@@ -224,6 +254,7 @@ def run(args) -> dict:
     with torch.no_grad():
         if device.type == "cuda":
             report["copy_tb_s"] = round(copy_rate(device) / 1e12, 3)
+        if device.type == "cuda" and "prefill" not in args.skip:
             prefill = {}
             for name, chunk in (("one_step", None), (f"chunks_of_{args.chunk}", args.chunk)):
                 mb, seconds = peak_prefill_mb(model, texts, device, chunk)
@@ -265,19 +296,8 @@ def run(args) -> dict:
                     report["cudagraph_skips"] = skips
             print(json.dumps({"mode": mode, "decode": decode}), flush=True)  # progress
             if args.profile and mode == "default":
-                b = max(args.batches)
-                inputs = decode_inputs(Batch([t + [1] for t in texts[:b]]), device)
-                torch._dynamo.reset()
-                named = torch.compile(model, fullgraph=True)
-                from torch._inductor.utils import run_and_get_code
-
-                _, code = run_and_get_code(named, **inputs, mode="decode")
-                Path(args.profile).mkdir(parents=True, exist_ok=True)
-                (Path(args.profile) / "decode_step_code.py").write_text("\n\n".join(code))
-                report["profile"] = {"batch": b, **graph_kernels(
-                    lambda: named(**inputs, mode="decode"), 10, device, Path(args.profile))}
-                report["profile"]["host"] = host_functions(lambda: named(**inputs, mode="decode"), 20, device)
-                print(json.dumps(report["profile"]), flush=True)  # progress
+                report["profiles"] = {str(b): profile_step(model, texts, b, device, Path(args.profile) / f"b{b}")
+                                      for b in args.batches}
         report["decode"] = {str(b): row for b, row in decode.items()}
     return report
 
@@ -326,7 +346,8 @@ def main() -> dict:
     parser.add_argument("--chunk", type=int, default=8192, help="chunked prefill: tokens per step")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
     parser.add_argument("--calls", type=int, default=20, help="calls per timing run")
-    parser.add_argument("--skip", default="", help="variants not to run, comma-separated (of: " + ", ".join(MODES) + ")")
+    parser.add_argument("--skip", default="", help="what not to run, comma-separated (of: " + ", ".join(MODES)
+                        + "; prefill: the prefill memory measurement)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write a PNG of step time vs batch here")
     parser.add_argument("--profile", help="write the compiled step's kernel profile here (CUDA)")
