@@ -119,14 +119,12 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; stores this step's keys into the layer's caches."""
         positions = meta.positions
-        # [wq_a x | wkv x] in x's dtype and the compressors' float32 projections, from one GEMM
-        projected, projected_fp32 = linear_split(x, self.x_proj.weight, self.x_rows["wkv"].stop)
-        q_a, kv = projected.split([self.x_rows["wq_a"].stop, layout.HEAD_DIM], -1)
-        q_lora = self.q_norm(q_a)
+        proj = self._x_parts(x)
+        q_lora = self.q_norm(proj["wq_a"])
         q = self.wq_b(q_lora).unflatten(-1, (self.heads, layout.HEAD_DIM))
         q = rope_last(rms_norm(q, None, self.eps), self.freqs, positions).to(x.dtype)
         ops.fused_k_norm_rope_flashmla(
-            kv, self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
+            proj["wkv"], self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
             self.swa_cache, self.eps, self.page_size, self.kv_format,
         )
 
@@ -134,16 +132,14 @@ class DeepseekV4Attention(nn.Module):
         remember = []  # compressor rings are written last (Compressor.remember)
         if self.compressor is not None:
             plan = meta.plans[self.compress_ratio]
-            latent, tokens = self.compressor(self._projected(projected_fp32, "compressor.wkv_gate"), plan)
+            latent, tokens = self.compressor(proj["compressor.wkv_gate"], plan)
             remember.append((self.compressor, plan, tokens))
             ops.fused_k_norm_rope_flashmla(
                 latent, self.compressor.norm_weight, self.freqs, plan.emit_pos, plan.emit_slot,
                 self.compressed_cache, self.eps, self.compressed_page_size, self.compressed_format,
             )
             if self.indexer is not None:
-                blocks, tokens = self.indexer(
-                    x, q_lora, self._projected(projected_fp32, "indexer.compressor.wkv_gate"), meta
-                )
+                blocks, tokens = self.indexer(x, q_lora, proj["indexer.compressor.wkv_gate"], meta)
                 remember.append((self.indexer.compressor, plan, tokens))
             else:  # ratio 128: every visible block
                 k = torch.arange(plan.block_slots.shape[1], device=x.device)
@@ -166,10 +162,13 @@ class DeepseekV4Attention(nn.Module):
         ``wq_a``, ``wkv``, ``compressor.wkv_gate``, ``indexer.compressor.wkv_gate``); a view."""
         return self.x_proj.weight[self.x_rows[name]]
 
-    def _projected(self, projected_fp32: torch.Tensor, name: str) -> torch.Tensor:
-        """The columns of the float32 part of the stacked projection that belong to ``name``."""
-        rows, first = self.x_rows[name], self.x_rows["wkv"].stop
-        return projected_fp32[:, rows.start - first : rows.stop - first]
+    def _x_parts(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``x``'s projections by name (:attr:`x_rows`), from one GEMM (:func:`~.linear.linear_split`):
+        ``wq_a`` and ``wkv`` (the first two) in ``x``'s dtype, the compressors' in float32."""
+        widths = [rows.stop - rows.start for rows in self.x_rows.values()]
+        projected, projected_fp32 = linear_split(x, self.x_proj.weight, self.x_rows["wkv"].stop)
+        parts = (*projected.split(widths[:2], -1), *projected_fp32.split(widths[2:], -1))
+        return dict(zip(self.x_rows, parts))
 
     def _decode(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
         extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None,

@@ -18,6 +18,10 @@ def _fp32_out(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
 
 
+def _mm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+
+
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` in float32, as upstream computes the compressor's projection.
 
@@ -26,7 +30,7 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     float32 each step (which cost a 2x larger weight read, a write and a CUDA-core float32 GEMM).
     Elsewhere the float32 GEMM."""
     if _fp32_out(x, weight):
-        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        return _mm_fp32(x, weight)
     return F.linear(x.float(), weight.float())
 
 
@@ -39,6 +43,6 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, rows: int) -> tuple[torc
     bf16: one weight read and one launch for both, the first part equal to the bf16 linear up to
     summation order. Elsewhere: the two GEMMs, each in its own precision."""
     if _fp32_out(x, weight):
-        out = linear_fp32(x, weight)
+        out = _mm_fp32(x, weight)
         return out[..., :rows].to(x.dtype), out[..., rows:]
     return F.linear(x, weight[:rows]), linear_fp32(x, weight[rows:])
