@@ -97,7 +97,7 @@ class Reference:
         self.layer, self.pt = layer, page_table.tolist()
         self.f = frequencies(layer.compress_ratio > 0)
         self.ratio = layer.compress_ratio
-        self.tied_rows: list[bool] = []  # per output row, in order: no unique top-k set
+        self.tied_rows: list[bool] = []  # per output row of a ratio-4 layer, in order: no unique top-k set
 
     def queries(self, x: torch.Tensor, pos: torch.Tensor):
         a = self.layer
@@ -133,17 +133,18 @@ class Reference:
         every head's ReLU is 0) has no unique top-k set; such rows are listed in ``tied_rows``."""
         n_visible = ((pos + 1) // self.ratio).tolist()
         if self.ratio == 128:
-            self.tied_rows += [False] * len(n_visible)
             return [list(range(n)) for n in n_visible]
         logits = self.index_scores(x_new, q_lora, pos, x_all)
-        topk = CFG.index_topk
+        k, selected = CFG.index_topk, []
         for i, n in enumerate(n_visible):
-            top = logits[i].topk(topk + 1).values if n > topk else None
-            self.tied_rows.append(top is not None and bool(top[topk - 1] - top[topk] <= 1e-9 * top[topk - 1].abs()))
-        return [
-            list(range(n)) if n <= topk else logits[i].topk(topk).indices.tolist()
-            for i, n in enumerate(n_visible)
-        ]
+            if n <= k:
+                selected.append(list(range(n)))
+                self.tied_rows.append(False)
+                continue
+            top = logits[i].topk(k + 1)
+            selected.append(top.indices[:k].tolist())
+            self.tied_rows.append(bool(top.values[k - 1] - top.values[k] <= 1e-9 * top.values[k - 1].abs()))
+        return selected
 
     def output(self, x_all: torch.Tensor, start: int, req: int) -> torch.Tensor:
         """The layer output for positions ``start..`` of request ``req`` with inputs ``x_all``."""
