@@ -22,8 +22,8 @@ second). ``roofline_share`` = roofline time / step time.
 
 ``--profile DIR``: for each batch size, a ``torch.profiler`` table of the compiled (default mode)
 step's GPU kernels, grouped by layer part (from the kernels' names), its GEMMs by operand shapes
-(with their largest operand: mostly the weight), Inductor's code of that step (``DIR/b<batch>/``), and the Python
-functions its host time goes to (``cProfile``).
+(with their largest operand: mostly the weight), Inductor's code of that step
+(``DIR/b<batch>/``), and the Python functions its host time goes to (``cProfile``).
 """
 
 from __future__ import annotations
