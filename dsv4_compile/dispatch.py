@@ -108,7 +108,7 @@ class Provider:
 @dataclass
 class _Registry:
     providers: list[Provider] = field(default_factory=list)
-    loaded: dict = field(default_factory=dict)  # (provider entry, device) -> kernels or the exception
+    loaded: dict = field(default_factory=dict)  # (provider entry, device) -> kernels, or why not (str)
     resolved: dict = field(default_factory=lambda: {op: {} for op in OPS})  # op -> key -> _Resolution
     warned: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -247,14 +247,18 @@ def _candidates(device_type: str, op: str | None = None) -> list[Provider]:
 
 def _load(provider: Provider, device: torch.device) -> Mapping[str, Callable]:
     key = (_key(provider), device)
-    if key not in _registry.loaded:
+    result = _registry.loaded.get(key)
+    if result is None:
         try:
-            _registry.loaded[key] = dict(provider.load(device))
+            result = _registry.loaded[key] = dict(provider.load(device))
         except ProviderUnavailable as exc:
-            _registry.loaded[key] = exc
-    result = _registry.loaded[key]
-    if isinstance(result, ProviderUnavailable):
-        raise result
+            # kept as its message: the exception's traceback holds the frames of the call that
+            # loaded the provider, and with them that call's tensors (inside a CUDA-graph warm-up,
+            # tensors of the graph's pool), for as long as the process runs
+            _registry.loaded[key] = str(exc)
+            raise
+    if isinstance(result, str):
+        raise ProviderUnavailable(result)
     return result
 
 

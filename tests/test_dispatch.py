@@ -1,6 +1,8 @@
 """Provider resolution, the override switch, fallback warnings and checked mode."""
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -104,6 +106,33 @@ def test_unavailable_provider_falls_back_with_one_warning():
             decode_once()  # warned once only
         with d4.use_provider("foo"):
             with pytest.raises(d4.ProviderUnavailable, match="libfoo"):
+                decode_once()
+    finally:
+        dispatch.unregister_provider("foo", "cpu")
+        dispatch.reset()
+
+
+def test_an_unavailable_provider_keeps_no_caller_alive():
+    """Why a provider is unavailable is kept, not the exception: its traceback would hold the
+    frames of the first call that tried it, and their tensors (in a CUDA-graph warm-up, tensors of
+    the graph's pool, which the graph then refuses to record)."""
+    def load(device):
+        raise dispatch.ProviderUnavailable("libfoo is not installed: pip install foo")
+
+    def first_call():
+        local = torch.ones(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            decode_once()  # loads foo (refused), then serves the call by the reference
+        return weakref.ref(local)
+
+    dispatch.register_provider(dispatch.Provider("foo", "cpu", load, priority=5))
+    try:
+        local = first_call()
+        gc.collect()
+        assert local() is None
+        with d4.use_provider("foo"):  # the stored reason, raised afresh
+            with pytest.raises(d4.ProviderUnavailable, match="libfoo is not installed"):
                 decode_once()
     finally:
         dispatch.unregister_provider("foo", "cpu")
