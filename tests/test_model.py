@@ -4,6 +4,10 @@ over prompts of different lengths, and prefill/decode consistency."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -221,3 +225,30 @@ def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(kv_format):
             for tokens, want in zip(batch.tokens, want_tokens):
                 tokens.append(want[step])
     assert dict(counters["inductor"]).get("cudagraph_skips", 0) == 0
+
+
+@pytest.mark.cuda
+def test_cuda_reduce_overhead_warm_up_can_be_the_first_decode_of_a_process():
+    """In a fresh process whose first decode is a ``reduce-overhead`` warm-up (the ops' first calls,
+    provider resolution included, run inside the CUDA-graph pool), nothing the call creates
+    outlives it: the graph records (it refused with "tensors in the cudagraph pool not tracked as
+    outputs" while a refused provider's stored exception held the warm-up's frames)."""
+    script = textwrap.dedent("""
+        import torch
+        from dsv4_compile.generation import Batch, random_prompts
+        from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, prefill_prompts, tiny_config
+        config = tiny_config(sliding_window=32)
+        cache = CacheConfig(max_requests=4, max_seq_len=512, page_size=256)
+        model = DeepseekV4Model(config, cache, seed=0, device="cuda")
+        texts = random_prompts(config.vocab_size, [40, 90], seed=3)
+        with torch.no_grad():
+            prefill_prompts(model, texts, "cuda", 512)
+            step = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+            inputs = decode_inputs(Batch([t + [1] for t in texts]), "cuda")
+            for _ in range(3):  # warm-up, recording, replay
+                step(**inputs, mode="decode")
+            torch.cuda.synchronize()
+    """)
+    child = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
