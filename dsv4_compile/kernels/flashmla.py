@@ -42,6 +42,7 @@ from . import flashmla_schedule
 DECODE_TOPK_MULTIPLE = 64
 PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
 MAX_GROUP_HEADS = 128
+_DUMMY_PAGE = 64  # tokens of the scheduler-only calls' one-page cache (library_schedule)
 LN2 = math.log(2.0)
 
 
@@ -141,7 +142,10 @@ class FlashMLAKernels:
         batch, s_q, heads = q.shape[:3]
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
-        dummy = _dummy_cache(q.device)
+        # a one-page V4 cache that no hole reads, allocated per call: a cached one, allocated by
+        # the first call, would live in the CUDA-graph pool if that call ran in a warm-up
+        dummy = layout.flashmla_view(
+            torch.empty(1, layout.page_bytes(_DUMMY_PAGE), dtype=torch.uint8, device=q.device), _DUMMY_PAGE)
         width, extra_width = _decode_widths(indices, extra_indices)
         holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
         extra_kv = extra_holes = None
@@ -324,10 +328,6 @@ def _one_device(first, *others) -> bool:
     return all(t is None or t.device == device for t in others)
 
 
-@functools.lru_cache(maxsize=None)
-def _dummy_cache(device: torch.device) -> torch.Tensor:
-    """A zeroed one-page V4 cache view (64 tokens) for scheduler-only calls."""
-    return layout.flashmla_view(layout.alloc_cache(1, 64, device), 64)
 
 
 # ---- capability gating and providers ----
