@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 
@@ -52,6 +53,25 @@ def sink(kind: str, heads: int) -> torch.Tensor | None:
         return torch.randn(heads)
     value = {"+inf": math.inf, "-inf": -math.inf}[kind]
     return torch.full((heads,), value)
+
+
+def _live_storages() -> set[int]:
+    gc.collect()
+    return {t.untyped_storage().data_ptr() for t in gc.get_objects()
+            if type(t) is torch.Tensor and t.untyped_storage().nbytes()}
+
+
+def assert_calls_keep_no_new_tensor(calls, forget=lambda: None) -> None:
+    """``calls()`` (returning its outputs, an iterable of tensors) leaves no tensor it allocated
+    alive but its outputs, once ``forget()`` has dropped what the test's stand-ins recorded. An
+    adapter that kept a tensor from its first call (a dummy buffer, a stored error's frames) would,
+    when that call ran inside a ``reduce-overhead`` warm-up, keep it in the CUDA-graph pool, and
+    the graph would refuse to record. Views of tensors that existed before are allowed (they
+    allocate nothing)."""
+    before = _live_storages()
+    outputs = {t.untyped_storage().data_ptr() for t in calls()}
+    forget()
+    assert _live_storages() - before - outputs == set()
 
 
 def report(config, line: str) -> None:

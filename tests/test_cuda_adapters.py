@@ -5,7 +5,6 @@ tensors), so the real adapter code runs: head/width padding, the cache view, sta
 conversion, scheduler metadata handling and provider choice.
 """
 
-import gc
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dsv4_compile.kernels import flashmla, reference
 import flashmla_standin as standin
 from helpers import (
     GARBAGE_BYTES,
+    assert_calls_keep_no_new_tensor,
     assert_garbage_is_invisible,
     assert_malformed_calls_named,
     filled_cache,
@@ -166,25 +166,16 @@ def test_own_schedule_only_where_it_was_checked_against_the_library(provider, mo
 
 
 def test_calls_leave_no_new_tensor_behind(provider):
-    """What a call allocates dies with it, outputs aside: a tensor an adapter kept from its first
-    call (a scheduler's dummy cache, a stored error's frames) would, when that call runs inside a
-    ``reduce-overhead`` warm-up, stay in the CUDA-graph pool, and the graph would refuse to record.
-    (Views of the caller's tensors may be kept: they allocate nothing.)"""
-    def storages():
-        gc.collect()
-        return {t.untyped_storage().data_ptr() for t in gc.get_objects()
-                if type(t) is torch.Tensor and t.untyped_storage().nbytes()}
-
     args = decode_case(64)
     sparse = (torch.randn(5, 64, 512, dtype=torch.bfloat16), torch.randn(40, 1, 512, dtype=torch.bfloat16),
               torch.randint(-2, 45, (5, 1, 70), dtype=torch.int32), 0.06, 512)
-    before = storages()
-    meta, splits = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
-    out, lse = on_cuda("flash_mla_with_kvcache", *args)
-    prefill = on_cuda("flash_mla_sparse_fwd", *sparse)
-    standin.CALLS.clear()  # the stand-in's record of its calls
-    outputs = {t.untyped_storage().data_ptr() for t in (meta, splits, out, lse, *prefill)}
-    assert storages() - before - outputs == set()
+
+    def calls():
+        yield from on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+        yield from on_cuda("flash_mla_with_kvcache", *args)
+        yield from on_cuda("flash_mla_sparse_fwd", *sparse)
+
+    assert_calls_keep_no_new_tensor(lambda: list(calls()), forget=standin.CALLS.clear)
 
 
 def test_stale_metadata_is_caught_in_checked_mode(provider):

@@ -27,6 +27,7 @@ from dsv4_compile.kernels import reference, triton_store
 from dsv4_compile.kernels import xpu as xpu_kernels
 from helpers import (
     GARBAGE_BYTES,
+    assert_calls_keep_no_new_tensor,
     assert_garbage_is_invisible,
 )
 
@@ -247,6 +248,18 @@ def test_adapters_read_no_tensor_values(standin):
     assert [c.name for c in standin.calls] == [
         "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "fused_k_norm_rope_flashmla",
     ]
+
+
+def test_calls_leave_no_new_tensor_behind(standin):
+    decode = decode_args(12, 2, True, True)
+
+    def calls():
+        yield from on_xpu("get_mla_metadata", decode[0], decode[3], decode[4], decode[8], decode[9])
+        yield from on_xpu("flash_mla_with_kvcache", *decode)
+        yield from on_xpu("flash_mla_sparse_fwd", *prefill_args(12, True))
+        on_xpu("fused_k_norm_rope_flashmla", *store_args(64, torch.int64))
+
+    assert_calls_keep_no_new_tensor(lambda: list(calls()), forget=standin.calls.clear)
 
 
 # --------------------------------------------------------------------------------------------
