@@ -328,8 +328,6 @@ def _one_device(first, *others) -> bool:
     return all(t is None or t.device == device for t in others)
 
 
-
-
 # ---- capability gating and providers ----
 
 
