@@ -142,10 +142,9 @@ class FlashMLAKernels:
         batch, s_q, heads = q.shape[:3]
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
-        # a one-page V4 cache that no hole reads, allocated per call: a cached one, allocated by
-        # the first call, would live in the CUDA-graph pool if that call ran in a warm-up
-        dummy = layout.flashmla_view(
-            torch.empty(1, layout.page_bytes(_DUMMY_PAGE), dtype=torch.uint8, device=q.device), _DUMMY_PAGE)
+        # a zeroed one-page V4 cache, allocated per call: a cached one, allocated by the first
+        # call, would live in the CUDA-graph pool if that call ran in a warm-up
+        dummy = layout.flashmla_view(layout.alloc_cache(1, _DUMMY_PAGE, q.device), _DUMMY_PAGE)
         width, extra_width = _decode_widths(indices, extra_indices)
         holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
         extra_kv = extra_holes = None
