@@ -29,10 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 def order(rounds: int) -> list[str]:
     """``rounds`` runs of each version, ABBA-ordered: base, new, new, base, base, new, ..."""
-    runs = []
-    for i in range(2 * rounds):
-        runs.append(("base", "new")[(i % 4) in (1, 2)])
-    return runs
+    return ["new" if i % 4 in (1, 2) else "base" for i in range(2 * rounds)]
 
 
 def environment(root: Path) -> dict:

@@ -3,7 +3,7 @@ writing it compares with a copy of the same tensor.
 
 The attention block rotates the last ``ROPE_DIM`` dims of every head of the attention output
 ``[T, H, 512]`` (bf16) back before the output projection. Forms timed (each ``torch.compile``-d
-alone, CUDA graph of 20 calls, median of 7 replays, µs per call):
+alone, µs per call in a CUDA graph of 20 calls: ``common.graph_timed``):
 
 * ``copy``: ``out.clone()``, the floor for a pass over the tensor;
 * ``full_width``: the model's form, :func:`~dsv4_compile.models.rope.rope_last` over the whole
@@ -23,6 +23,7 @@ import argparse
 
 import torch
 
+from common import graph_timed
 from dsv4_compile import layout
 from dsv4_compile.models import DeepseekV4Config
 from dsv4_compile.models.rope import apply_rope, layer_rope_table, rope_last
@@ -47,29 +48,6 @@ def forms(table: torch.Tensor) -> dict:
             "tail_in_place": tail_in_place, "slice_scatter": slice_scatter}
 
 
-def graph_us(fn, calls: int = 20, replays: int = 7) -> float:
-    """µs per call of ``fn`` replayed in a CUDA graph of ``calls`` calls (median of ``replays``)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64])
@@ -87,7 +65,7 @@ def main() -> None:
                 compiled = torch.compile(form, fullgraph=True)
                 equal = torch.equal(compiled(x.clone(), pos), x if name == "copy" else want)
                 y = x.clone()
-                us = graph_us(lambda: compiled(y, pos))
+                us = graph_timed(lambda: compiled(y, pos), per_graph=20)
                 print(f"T={tokens} H={args.heads} {name:14s} {us:6.2f} us  equal to eager: {equal}", flush=True)
 
 

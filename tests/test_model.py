@@ -235,6 +235,7 @@ def test_cuda_reduce_overhead_warm_up_can_be_the_first_decode_of_a_process():
     outputs" while a refused provider's stored exception held the warm-up's frames)."""
     script = textwrap.dedent("""
         import torch
+        from torch._dynamo.utils import counters
         from dsv4_compile.generation import Batch, random_prompts
         from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, prefill_prompts, tiny_config
         config = tiny_config(sliding_window=32)
@@ -248,6 +249,8 @@ def test_cuda_reduce_overhead_warm_up_can_be_the_first_decode_of_a_process():
             for _ in range(3):  # warm-up, recording, replay
                 step(**inputs, mode="decode")
             torch.cuda.synchronize()
+        # recorded, not skipped: a skipped graph runs without the pool and would pass regardless
+        assert counters["inductor"].get("cudagraph_skips", 0) == 0, dict(counters["inductor"])
     """)
     child = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
                            capture_output=True, text=True, timeout=600)
