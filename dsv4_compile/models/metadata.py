@@ -114,7 +114,10 @@ def build_step_metadata(
     ratios: tuple[int, ...] = (4, 128),
     mode: str = "decode",
 ) -> StepMetadata:
-    """Build the :class:`StepMetadata` of one step (traceable; fixed shapes; no host sync)."""
+    """Build the :class:`StepMetadata` of one step (traceable; fixed shapes; no host sync).
+
+    The token rows are grouped by batch row, in order (``batch_index`` non-decreasing, as
+    :mod:`dsv4_compile.generation` lays them out)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     device = positions.device
@@ -123,11 +126,11 @@ def build_step_metadata(
     num_tokens, batch = positions.shape[0], seq_lens.shape[0]
     page = cache.page_size
 
-    counts = torch.zeros(batch, dtype=torch.long, device=device).scatter_add(
-        0, batch_index, torch.ones_like(batch_index)
-    )
-    ends = counts.cumsum(0)
-    first_row = ends - counts  # [B] row of the first token of each batch row
+    # rows are grouped by batch row, in order: batch row b holds rows first_row[b] .. ends[b]-1
+    batch_rows = torch.arange(batch, device=device)
+    first_row = torch.searchsorted(batch_index, batch_rows)  # [B] row of the first token of each batch row
+    ends = torch.searchsorted(batch_index, batch_rows, right=True)
+    counts = ends - first_row
     chunk_start = seq_lens - counts  # [B] position of that token
     req = req_slots[batch_index]  # [T]
     swa_slots = slot_of(page_table, req, positions, page)
@@ -198,10 +201,9 @@ def _compress_plan(
     # candidates: the n-th token (in row order) that ends a block -> n-th compressed output
     candidates = num_tokens // ratio + batch
     ends_block = (positions + 1) % ratio == 0
-    dest = torch.where(ends_block, ends_block.long().cumsum(0) - 1, candidates)
-    emit_row = torch.full((candidates + 1,), -1, dtype=torch.long, device=device).scatter(
-        0, dest, torch.arange(num_tokens, device=device)
-    )[:candidates]
+    # the n-th such token is the first row where the running count of them reaches n + 1
+    found = torch.searchsorted(ends_block.long().cumsum(0), torch.arange(1, candidates + 1, device=device))
+    emit_row = torch.where(found < num_tokens, found, -1)
     valid = emit_row >= 0
     row = emit_row.clamp_min(0)
     end = positions[row]
