@@ -1,17 +1,20 @@
-"""Instructions the Triton cache store issues per token, counted from the PTX Triton emits; no GPU needed.
+"""Instructions the Triton cache store issues per token, counted from the code Triton emits; no GPU needed.
 
-    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0]
+    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0] [--sass]
 
-The store kernels have no loops, so the PTX instruction count of one program, times its warps,
+The store kernels have no loops, so the instruction count of one program, times its warps,
 divided by its tokens, is what the kernel issues per token (warp-instructions; predicated-off
-instructions included). On the H200 the V4 store was bound by instruction issue (benchmarks/
+instructions included). Counted in PTX, or with ``--sass`` in the machine code (``cuobjdump``
+of the cubin, NOPs left out: what the GPU issues; PTX hides some of it, e.g. the unpacking of
+byte pairs that a select per byte costs). On the H200 the V4 store was bound by instruction issue (benchmarks/
 RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per cycle,
 65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
 
 For each format, geometry (tokens x warps per program; ``*`` = the kernel's default) and rounding
 path (``cvt``: the conversion instructions used on SM89+; ``int``: integer arithmetic), compiled
 for ``--arch`` (compute capability x 10) with pointers 16-byte aligned and strides divisible by 16
-(as Triton specialises the real launch). ``--top N`` also lists the N most frequent instructions
+and the stride arguments of contiguous
+tensors equal to 1 made constants (as Triton specialises the real launch). ``--top N`` also lists the N most frequent instructions
 of the default geometry.
 """
 
@@ -32,34 +35,47 @@ ARGUMENTS = {
     "weight_stride": "i32", "freqs_stride0": "i32", "freqs_stride1": "i32", "positions_stride": "i32",
     "out_loc_stride": "i32", "page_stride": "i32", "eps": "fp32",
 }
+#: contiguous weight, freqs rows, positions and slots: Triton makes an int argument equal to 1 a constant
+UNIT = ("weight_stride", "freqs_stride1", "positions_stride", "out_loc_stride")
 ALIGNED = ("kv_ptr", "weight_ptr", "freqs_ptr", "positions_ptr", "out_loc_ptr", "cache_ptr", "kv_stride",
            "freqs_stride0", "page_stride")
 INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
+#: a line of triton.tools.disasm.get_sass: control bits, a tab, an optional predicate, the opcode
+SASS_INSTRUCTION = re.compile(r"^[^\t\n]*\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def ptx(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int) -> str:
+def code(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int, sass: bool = False) -> str:
+    """The PTX (``sass``: the machine code) of one store program."""
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     triton_store._triton()
     fmt = layout.cache_format(kv_format)
-    constexprs = {"PAGE_SIZE": 256, "BLOCK_T": block_t, "FUSED": True, "HW": hardware}
+    constexprs = {**dict.fromkeys(UNIT, 1), "PAGE_SIZE": 256, "BLOCK_T": block_t, "FUSED": True, "HW": hardware}
     if fmt.is_v4:
         kernel = triton_store._store_kernel
     else:
         kernel = triton_store._store_v41_kernel
         constexprs.update(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
-    signature = {**ARGUMENTS, **{name: "constexpr" for name in constexprs}}
-    names = list(signature)
+    types = {**ARGUMENTS, **{name: "constexpr" for name in constexprs}}
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {name: types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return compiled.asm["ptx"]
+    if not sass:
+        return compiled.asm["ptx"]
+    from triton.tools.disasm import get_sass
+
+    return get_sass(compiled.asm["cubin"])
 
 
 def count(text: str) -> collections.Counter:
-    return collections.Counter(INSTRUCTION.findall(text))
+    found = INSTRUCTION.findall(text) or SASS_INSTRUCTION.findall(text)
+    return collections.Counter(name for name in found if name != "NOP")
 
 
 def main() -> None:
@@ -67,14 +83,16 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
     parser.add_argument("--formats", nargs="+", default=["v4", "v4.1-fp8", "v4.1-fp4"])
     parser.add_argument("--top", type=int, default=0, help="list the N most frequent instructions")
+    parser.add_argument("--sass", action="store_true", help="count the machine code instead of the PTX")
     args = parser.parse_args()
-    print(f"sm_{args.arch}: warp-instructions per token (PTX, one program x warps / tokens)")
+    what = "SASS" if args.sass else "PTX"
+    print(f"sm_{args.arch}: warp-instructions per token ({what}, one program x warps / tokens)")
     print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}")
     for kv_format in args.formats:
         default = (triton_store.BLOCK_T, triton_store.num_warps(layout.cache_format(kv_format)))
         for block_t, warps in GEOMETRIES:
             per_token = [
-                sum(count(ptx(kv_format, block_t, warps, hw, args.arch)).values()) * warps // block_t
+                sum(count(code(kv_format, block_t, warps, hw, args.arch, args.sass)).values()) * warps // block_t
                 for hw in ((True, False) if args.arch >= 89 else (False,))
             ]
             cvt, integer = (per_token if len(per_token) == 2 else ("-", per_token[0]))
@@ -82,7 +100,7 @@ def main() -> None:
             print(f"{kv_format:<22} {f'{block_t}x{warps}{mark}':>9} {cvt:>6} {integer:>6}")
         if args.top:
             hw = args.arch >= 89
-            for name, n in count(ptx(kv_format, *default, hw, args.arch)).most_common(args.top):
+            for name, n in count(code(kv_format, *default, hw, args.arch, args.sass)).most_common(args.top):
                 print(f"    {n:>5} {name}")
 
 

@@ -103,6 +103,18 @@ def _ue8m0_exponent(amax):
     bits = scale.to(tl.int32, bitcast=True)  # scale > 0: exponent field | mantissa
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
+def _nan_or_fp8(scaled, finite, CLAMP: tl.constexpr, HW: tl.constexpr):
+    """float8_e4m3fn bytes (uint8) of ``scaled [BT, N]`` (``CLAMP``: clamped to [-448, 448]
+    first); 0x7F for every value of a token that is not ``finite``. ``HW``: the caller has made
+    those tokens' values NaN (a NaN scale factor), which the conversion instruction turns into
+    0x7F, and the instruction saturates by itself: no select per byte (with one, the compiled code
+    unpacks the instruction's byte pairs to select and repack them: ~4 more instructions per
+    value). Else a select on the integer path's codes."""
+    if HW:
+        return scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes = _e4m3fn_saturated(scaled, False) if CLAMP else _e4m3fn_bits(scaled, False)
+    return tl.where(finite[:, None], codes, 0x7F).to(tl.uint8)
+
 def _round_bf16(v, HW: tl.constexpr):
     """fp32 ``v`` rounded to bf16 (nearest even; ``HW``: by the GPU's instruction, else in integer
     arithmetic: exact on every backend), as fp32."""
@@ -206,18 +218,20 @@ def _store_kernel(
     finite = (nope_amax < float("inf")) & _all_finite(rope, _ROPE_DIM)
     e = _ue8m0_exponent(amax)  # (of a NaN token: unused)
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    if HW:  # a NaN factor makes the NaN token's codes (see _nan_or_fp8)
+        inv_scale = tl.where(finite[:, None], inv_scale, float("nan"))
     scaled = tl.reshape(tiles * inv_scale[:, :, None], (BLOCK_T, _HEAD_DIM))
-    fp8 = tl.where(finite[:, None], _e4m3fn_saturated(scaled, HW), 0x7F)
+    fp8 = _nan_or_fp8(scaled, finite, True, HW)
     nope_mask = live[:, None] & (d[None, :] < _NOPE_DIM)
-    tl.store(data_ptr[:, None] + d[None, :], fp8.to(tl.uint8), mask=nope_mask)
+    tl.store(data_ptr[:, None] + d[None, :], fp8, mask=nope_mask)
     exponent_bytes = tl.where(finite[:, None], e + _BIAS, 0xFF)
     exponent_bytes = tl.where(kk[None, :] < _NUM_TILES, exponent_bytes, 0)
     tl.store(scale_ptr[:, None] + kk[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
 
-    code = tl.where(finite[:, None], _bf16_bits(rope, HW), 0x7FC0)
-    rope_bytes = tl.reshape(tl.join(code & 0xFF, code >> 8), (BLOCK_T, 2 * _ROPE_DIM))  # little-endian
-    rb = tl.arange(0, 2 * _ROPE_DIM)
-    tl.store(data_ptr[:, None] + _NOPE_DIM + rb[None, :], rope_bytes.to(tl.uint8), mask=live[:, None])
+    code = tl.where(finite[:, None], _bf16_bits(rope, HW), 0x7FC0).to(tl.uint16)
+    rope_ptr = (data_ptr + _NOPE_DIM).to(tl.pointer_type(tl.uint16))  # the GPU's order: little-endian
+    r = tl.arange(0, _ROPE_DIM)
+    tl.store(rope_ptr[:, None] + r[None, :], code, mask=live[:, None])
 
 
 def _e4m3_value(code):
@@ -225,17 +239,19 @@ def _e4m3_value(code):
     return ((code & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
-def _v41_fp8(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
+def _v41_fp8(values, finite, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
     """V4.1 FP8 of ``values [BT, WIDTH]``: per group of 32, ``e = ceil(log2(max(amax / 448,
     1e-4)))`` from the quotient's bits; codes ``e4m3(x * 2^-e)`` (RNE, exact scaling), bytes
-    ``e + 127``. Returns ``(codes [BT, WIDTH], scale bytes [BT, WIDTH // 32])`` (int32)."""
+    ``e + 127``; the codes of a token that is not ``finite`` are 0x7F. Returns ``(codes [BT, WIDTH]``
+    (uint8), ``scale bytes [BT, WIDTH // 32]`` (int32))."""
     groups = tl.reshape(values, (BLOCK_T, WIDTH // 32, 32))
     q = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), axis=2), _FP8_MAX), _SCALE_MIN)
     bits = q.to(tl.int32, bitcast=True)
     e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-    codes = _e4m3fn_bits(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)), HW)
-    return codes, e + _BIAS
+    if HW:  # a NaN factor makes the NaN token's codes (see _nan_or_fp8)
+        inv = tl.where(finite[:, None], inv, float("nan"))
+    return _nan_or_fp8(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)), finite, False, HW), e + _BIAS
 
 
 def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
@@ -253,16 +269,20 @@ def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexp
     return tl.reshape(code, (BLOCK_T, WIDTH)), scale_code
 
 
-def _v41_bytes(values, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
+def _v41_bytes(values, finite, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+               HW: tl.constexpr):
     """``values [BT, WIDTH]`` as V4.1 data bytes (``[BT, WIDTH]`` FP8, ``[BT, WIDTH // 2]`` FP4:
-    the even-indexed value in the low nibble) and scale bytes, int32."""
+    the even-indexed value in the low nibble) and scale bytes, uint8; a token that is not
+    ``finite`` gets the NaN token's bytes (FP8: codes 0x7F, scales 0xFF; FP4: codes 0, scales 0x7F)."""
     if FP4:
         codes, scales = _v41_fp4(values, WIDTH, BLOCK_T, HW)
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, WIDTH // 2, 2)))
-        data = lo | (hi << 4)
+        data = tl.where(finite[:, None], lo | (hi << 4), 0x00).to(tl.uint8)
+        scales = tl.where(finite[:, None], scales, 0x7F)
     else:
-        data, scales = _v41_fp8(values, WIDTH, BLOCK_T, HW)
-    return data, scales
+        data, scales = _v41_fp8(values, finite, WIDTH, BLOCK_T, HW)
+        scales = tl.where(finite[:, None], scales, 0xFF)
+    return data, scales.to(tl.uint8)
 
 
 def _store_v41_kernel(
@@ -307,29 +327,23 @@ def _store_v41_kernel(
         y = x
         finite = _all_finite(y, _HEAD_DIM)
 
-    data, scales = _v41_bytes(y, FP4, _HEAD_DIM, BLOCK_T, HW)
-    nan_data: tl.constexpr = 0x00 if FP4 else 0x7F  # the NaN token: FP4 codes 0 with NaN scales
-    nan_scale: tl.constexpr = 0x7F if FP4 else 0xFF
-    data = tl.where(finite[:, None], data, nan_data)
-    scales = tl.where(finite[:, None], scales, nan_scale)
+    data, scales = _v41_bytes(y, finite, FP4, _HEAD_DIM, BLOCK_T, HW)
     b = tl.arange(0, DATA)
     g = tl.arange(0, SCALES)
     data_end = NOPE_DATA if FUSED else DATA
     scales_end = NOPE_SCALES if FUSED else SCALES
-    tl.store(data_ptr[:, None] + b[None, :], data.to(tl.uint8), mask=live[:, None] & (b[None, :] < data_end))
-    tl.store(scale_ptr[:, None] + g[None, :], scales.to(tl.uint8), mask=live[:, None] & (g[None, :] < scales_end))
+    tl.store(data_ptr[:, None] + b[None, :], data, mask=live[:, None] & (b[None, :] < data_end))
+    tl.store(scale_ptr[:, None] + g[None, :], scales, mask=live[:, None] & (g[None, :] < scales_end))
     if FUSED:  # the RoPE dims' own groups
-        rope_data, rope_scales = _v41_bytes(rope, FP4, _ROPE_DIM, BLOCK_T, HW)
-        rope_data = tl.where(finite[:, None], rope_data, nan_data)
-        rope_scales = tl.where(finite[:, None], rope_scales, nan_scale)
+        rope_data, rope_scales = _v41_bytes(rope, finite, FP4, _ROPE_DIM, BLOCK_T, HW)
         rb = tl.arange(0, DATA - NOPE_DATA)
         rg = tl.arange(0, SCALES - NOPE_SCALES)
-        tl.store(data_ptr[:, None] + NOPE_DATA + rb[None, :], rope_data.to(tl.uint8), mask=live[:, None])
-        tl.store(scale_ptr[:, None] + NOPE_SCALES + rg[None, :], rope_scales.to(tl.uint8), mask=live[:, None])
+        tl.store(data_ptr[:, None] + NOPE_DATA + rb[None, :], rope_data, mask=live[:, None])
+        tl.store(scale_ptr[:, None] + NOPE_SCALES + rg[None, :], rope_scales, mask=live[:, None])
 
 
 _JITTED = (
-    "_e4m3fn_bits", "_e4m3fn_saturated", "_bf16_bits", "_ue8m0_exponent", "_round_bf16", "_normed", "_rope_dims",
+    "_e4m3fn_bits", "_e4m3fn_saturated", "_bf16_bits", "_ue8m0_exponent", "_nan_or_fp8", "_round_bf16", "_normed", "_rope_dims",
     "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
