@@ -20,7 +20,9 @@ import torch
 from conftest import call
 
 from dsv4_compile import layout
-from test_block import CACHE, CFG, PROMPTS, REQ_SLOTS, STEPS, layer_step, make_layer, prompt_args, second_args
+from test_block import (
+    CACHE, CFG, PROMPTS, REQ_SLOTS, STEPS, layer_step, make_layer, prompt_args, second_args, step_args,
+)
 from test_model_config import yarn_reference
 
 F64 = torch.float64
@@ -192,6 +194,15 @@ def run_layer(ratio, step):
     return layer, first, second, out
 
 
+def assert_holds_keys(cache, page, pt, req, want, where) -> None:
+    """Entries ``0 .. len(want)-1`` of request ``req`` in ``cache`` hold the keys ``want``: one
+    fp8 step on dims 0..447, bf16 on the RoPE dims."""
+    slots = torch.tensor([slot(pt, req, j, page) for j in range(len(want))], dtype=torch.long)
+    got = layout.gather_dequant(cache, page, slots, F64)
+    amax = want[:, :448].abs().amax(-1, keepdim=True)
+    assert ((got - want).abs() <= 2**-4 * want.abs() + 2**-8 * amax + 1e-3).all(), where
+
+
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_caches_hold_the_reference_keys(ratio, step):
@@ -204,10 +215,7 @@ def test_caches_hold_the_reference_keys(ratio, step):
         if ratio:
             caches.append((layer.compressed_cache, layer.compressed_page_size, ref.block_keys(x)))
         for cache, page, want in caches:
-            slots = torch.tensor([slot(ref.pt, req, j, page) for j in range(len(want))], dtype=torch.long)
-            got = layout.gather_dequant(cache, page, slots, F64)
-            amax = want[:, :448].abs().amax(-1, keepdim=True)
-            assert ((got - want).abs() <= 2**-4 * want.abs() + 2**-8 * amax + 1e-3).all(), (b, page)
+            assert_holds_keys(cache, page, ref.pt, req, want, (b, page))
         if ratio == 4:
             keys = compressed_blocks(layer.indexer.compressor, layer.x_weight("indexer.compressor.wkv_gate"), x, 4)
             keys = rotate(keys, torch.arange(len(keys)) * 4, ref.f) @ hadamard(CFG.index_head_dim)
@@ -229,6 +237,25 @@ def test_output_matches_reference(ratio, step):
     unique = ~torch.tensor(ref.tied_rows, dtype=torch.bool) if ratio == 4 else torch.ones(len(want), dtype=torch.bool)
     assert unique.float().mean() > 0.9, "the comparison must cover nearly every row"
     torch.testing.assert_close(out.to(F64)[unique], want[unique], atol=2**-7 * want.abs().max().item(), rtol=2**-7)
+
+
+def test_decode_completes_a_compressed_block_from_the_running_state():
+    """A ratio-128 block finished by a one-token decode step: its other 127 tokens came in a
+    prefill, an extend step and five decode steps, and reach the latent through the compressor's
+    running state. The cache holds the reference keys."""
+    layer = make_layer(128)
+    extend = (1, 1, 100)  # batch row 2: positions 150..249
+    steps = [prompt_args(), step_args(extend, PROMPTS, "decode", seed=2)]
+    starts = [p + n for p, n in zip(PROMPTS, extend)]
+    steps += [step_args((1, 1, 1), [s + i for s in starts], "decode", seed=3 + i) for i in range(6)]
+    with torch.no_grad():
+        for args in steps:
+            call(layer_step, layer, **args)
+    ref = Reference(layer, steps[0]["page_table"])
+    for b, (req, x) in enumerate(zip(REQ_SLOTS, request_history(*steps))):
+        want = ref.block_keys(x)
+        assert len(want) == (2 if b == 2 else 0)  # row 2: block 1 ends at position 255, the last step
+        assert_holds_keys(layer.compressed_cache, layer.compressed_page_size, ref.pt, req, want, b)
 
 
 def test_topk_selection_is_exercised():

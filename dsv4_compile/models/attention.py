@@ -23,7 +23,7 @@ rank holds (``wq_a``, ``wkv`` and the compressors' ``wkv_gate``) are rows of one
 5. Inverse RoPE on the output's dims 448..511; grouped low-rank output projection: group ``g`` of
    ``o_groups`` takes heads ``[g*H/G, (g+1)*H/G)`` through its slice of ``wo_a``; then ``wo_b``
    (under tensor parallelism, :mod:`.parallel`, each rank's part, then an all-reduce).
-6. The compressors' state rings take this step's tokens, last (:meth:`.Compressor.remember`).
+6. The compressors' states take this step's tokens, last (:meth:`.Compressor.remember`).
 
 RoPE tables: ``rope_theta`` for ratio-0 layers, ``compress_rope_theta`` with YaRN for compressed
 layers (:mod:`.rope`); a layer uses its table for q, the window keys, the compressed keys and the

@@ -18,12 +18,21 @@ before the CUDA kernel's ``apply_ape_hotfix`` permutation:
   block's first position ``k * ratio`` (for the attention cache: through
   ``dsv4::fused_k_norm_rope_flashmla``; for the indexer keys: in PyTorch, then a Hadamard rotation).
 
-State: upstream keeps each request's not-yet-pooled ``(kv, score)`` in a state pool; here a ring of
-the request's last ``S = coff*ratio`` tokens per request (``state_kv``, ``state_score``, module
-buffers), which is what the next block needs. A step pools every block that completes in it,
-reading its tokens from the step itself or from the ring (:meth:`Compressor.forward`); the layer
-then writes the step's tokens into the ring (:meth:`Compressor.remember`): fixed shapes, no
-data-dependent branches (:class:`~dsv4_compile.models.metadata.CompressPlan`).
+State: upstream keeps each request's not-yet-pooled ``(kv, score)`` in a state pool. Here:
+
+* ratio 4: a ring of the request's last ``S = coff*ratio`` tokens per request (``state_kv``,
+  ``state_score``, module buffers), which is what the next block needs;
+* other ratios: a running softmax state per request over the tokens of its unfinished block
+  (``state_max``, ``state_sum``, ``state_acc`` ``[max_requests, d]``: per dim the largest score
+  ``m``, ``sum_j exp(score_j - m)`` and ``sum_j kv_j * exp(score_j - m)``); the block's latent is
+  ``acc / sum`` once its last token has been added. It equals the pooling of the whole block up
+  to fp32 rounding (the order of the sums differs) and spares a decode step reading the ``ratio``
+  tokens of every candidate block (a ring of the last 128 tokens would be 128x the state).
+
+A step pools every block that completes in it, reading its tokens from the step itself and the
+rest from the state (:meth:`Compressor.forward`); the layer then updates the state with the
+step's tokens (:meth:`Compressor.remember`): fixed shapes, no data-dependent branches
+(:class:`~dsv4_compile.models.metadata.CompressPlan`).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .metadata import CompressPlan, overlaps, source_window
+from .metadata import CompressPlan, Pooling, overlaps, source_window
 
 
 class StepTokens(NamedTuple):
@@ -54,9 +63,13 @@ class Compressor(nn.Module):
         self.proj_width = 2 * width  # the rows of wkv_gate: kv, then score
         self.ape = nn.Parameter(torch.zeros(ratio, width, device=device, dtype=torch.float32))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=torch.float32))
-        ring = (max_requests + 1) * source_window(ratio)  # + a scratch request row
-        self.register_buffer("state_kv", torch.zeros(ring, width, device=device))
-        self.register_buffer("state_score", torch.zeros(ring, width, device=device))
+        if overlaps(ratio):
+            ring = (max_requests + 1) * source_window(ratio)  # + a scratch request row
+            self.register_buffer("state_kv", torch.zeros(ring, width, device=device))
+            self.register_buffer("state_score", torch.zeros(ring, width, device=device))
+        else:
+            for name in ("state_max", "state_sum", "state_acc"):
+                self.register_buffer(name, torch.zeros(max_requests, width, device=device))
 
     def forward(self, projected: torch.Tensor, plan: CompressPlan) -> tuple[torch.Tensor, StepTokens]:
         """Pooled latents ``[N, head_dim]`` float32 of the plan's candidates (zero where
@@ -65,6 +78,10 @@ class Compressor(nn.Module):
         width, d, r = self.coff * self.head_dim, self.head_dim, self.ratio
         kv, score = projected.split(width, -1)
         score = score + self.ape[plan.block_offset]
+        if plan.pooled is not None:
+            _, total, acc = self._running(kv, score, plan.pooled)
+            latent = torch.where(total > 0, acc / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+            return latent.masked_fill((plan.emit_slot < 0)[:, None], 0.0), StepTokens(kv, score)
 
         from_step = plan.source_from_step[..., None]
         pooled_kv = torch.where(from_step, kv[plan.source_row], self.state_kv[plan.source_state])
@@ -81,11 +98,36 @@ class Compressor(nn.Module):
         return latent.masked_fill((plan.emit_slot < 0)[:, None], 0.0), StepTokens(kv, score)
 
     def remember(self, plan: CompressPlan, tokens: StepTokens) -> None:
-        """Write this step's tokens into the state ring (each request keeps its last ``S``).
+        """Update the state with this step's tokens: ratio 4, write them into the ring (each
+        request keeps its last ``S``); other ratios, each batch row's running state becomes
+        that of its unfinished block.
 
-        Call it after everything that uses the step's latents: the ring is read by
+        Call it after everything that uses the step's latents: the state is read by
         :meth:`forward` and written here, and a write placed before those reads' consumers lets
         Inductor's locality reordering sink the reads below it, which forces a copy of the ring.
         """
+        if plan.carry is not None:
+            state = self._running(tokens.kv, tokens.score, plan.carry)
+            for buf, value in zip((self.state_max, self.state_sum, self.state_acc), state):
+                buf[plan.carry.state] = value
+            return
         self.state_kv[plan.state_index] = tokens.kv
         self.state_score[plan.state_index] = tokens.score
+
+    def _running(self, kv: torch.Tensor, score: torch.Tensor, pooling: Pooling):
+        """``(max, sum, acc)`` ``[K, d]`` of each block of ``pooling``: the request's state (where
+        the block began before the step) merged with the block's tokens in the step
+        (``kv``, ``score`` ``[T, d]``). An empty block: ``(-inf, 0, 0)``."""
+        neg_inf = float("-inf")
+        from_state = pooling.from_state[:, None]
+        state_max = torch.where(from_state, self.state_max[pooling.state], neg_inf)
+        state_sum = torch.where(from_state, self.state_sum[pooling.state], 0.0)
+        state_acc = torch.where(from_state, self.state_acc[pooling.state], 0.0)
+        step_score = score[pooling.rows].masked_fill(~pooling.from_step[..., None], neg_inf)  # [K, W, d]
+        new_max = torch.maximum(state_max, step_score.amax(1))
+        base = torch.where(new_max == neg_inf, 0.0, new_max)  # exp(-inf - base) = 0, never inf - inf
+        weight = torch.exp(step_score - base[:, None])
+        old = torch.exp(state_max - base)
+        total = state_sum * old + weight.sum(1)
+        acc = state_acc * old + (kv[pooling.rows] * weight).sum(1)
+        return new_max, total, acc

@@ -1,8 +1,8 @@
 """Per-step metadata: everything the layers of one step share, built once from the batch.
 
 :func:`build_step_metadata` turns the batch description — ``positions [T]``, ``batch_index [T]``
-(the batch row of each token; a row's tokens are contiguous, at consecutive positions ending at
-``seq_lens - 1``), ``seq_lens [B]`` (lengths after the step), ``req_slots [B]`` (the request's row
+(the batch row of each token; a row's tokens are contiguous, one at least, at consecutive
+positions ending at ``seq_lens - 1``), ``seq_lens [B]`` (lengths after the step), ``req_slots [B]`` (the request's row
 in the page table and in the compressor states) and the page table — into cache write slots,
 window indices, compressed-block indices and compressor plans. It is traceable PyTorch with fixed
 shapes (functions of T, B and the :class:`~dsv4_compile.models.config.CacheConfig`), no host sync
@@ -45,14 +45,31 @@ def source_window(ratio: int) -> int:
 
 
 @dataclass
+class Pooling:
+    """``K`` blocks' tokens up to a position, for a compressor with a running state (ratios
+    without overlap): the tokens of this step by their rows, the earlier ones summarised in the
+    request's state. ``W`` bounds a block's tokens in one step."""
+
+    rows: torch.Tensor  # [K, W] int64: step rows of the block's last W positions up to its end (clamped)
+    from_step: torch.Tensor  # [K, W] bool: that position is one of the block's tokens in this step
+    state: torch.Tensor  # [K] int64: the request's row in the compressor state
+    from_state: torch.Tensor  # [K] bool: the block began before this step (its earlier tokens are in the state)
+
+
+@dataclass
 class CompressPlan:
     """What the layers of one compress ratio share in a step.
 
     ``N = T // ratio + B`` bounds the blocks that complete in a step (a row of ``n`` tokens
     completes at most ``n // ratio + 1``), so the compressor always computes ``N`` candidates;
-    those that complete nothing have ``emit_slot = -1`` and are not stored. ``S`` is the
-    :func:`source_window`; the compressor state ring keeps each request's last ``S`` tokens at
-    ``req * S + pos % S`` (row ``max_requests`` is scratch for writes that are not kept).
+    those that complete nothing have ``emit_slot = -1`` and are not stored.
+
+    Ratio 4 (overlapping windows): ``S`` is the :func:`source_window`; the compressor state ring
+    keeps each request's last ``S`` tokens at ``req * S + pos % S`` (row ``max_requests`` is
+    scratch for writes that are not kept); the ``source_*`` and ``state_index`` fields.
+    Other ratios: a running state per request summarises the tokens of its unfinished block
+    before the step; ``pooled`` are the candidates' blocks, ``carry`` each batch row's
+    unfinished block after the step (the next state).
     """
 
     ratio: int
@@ -61,12 +78,16 @@ class CompressPlan:
     block_offset: torch.Tensor  # [T] int64: pos % ratio, the token's place in its block (row of ape)
     emit_slot: torch.Tensor  # [N] int64: cache slot of the block candidate n completes, or -1
     emit_pos: torch.Tensor  # [N] int64: first position of that block (its RoPE position)
-    source_row: torch.Tensor  # [N, S] int64: step row of each pooled token (clamped)
-    source_from_step: torch.Tensor  # [N, S] bool: the pooled token is in this step
-    source_state: torch.Tensor  # [N, S] int64: its index in the state ring (clamped)
-    source_pad: torch.Tensor  # [N, S] bool: position < 0 (kv 0, score -inf)
-    state_index: torch.Tensor  # [T] int64: where each token's (kv, score) goes in the ring
     workspace_slots: torch.Tensor | None  # prefill: [B * M] slot of block k of batch row b, or -1
+    # ratio 4: the state ring
+    source_row: torch.Tensor | None = None  # [N, S] int64: step row of each pooled token (clamped)
+    source_from_step: torch.Tensor | None = None  # [N, S] bool: the pooled token is in this step
+    source_state: torch.Tensor | None = None  # [N, S] int64: its index in the state ring (clamped)
+    source_pad: torch.Tensor | None = None  # [N, S] bool: position < 0 (kv 0, score -inf)
+    state_index: torch.Tensor | None = None  # [T] int64: where each token's (kv, score) goes in the ring
+    # other ratios: the running state
+    pooled: Pooling | None = None  # [N] the candidates' blocks
+    carry: Pooling | None = None  # [B] each batch row's unfinished block after the step
 
 
 @dataclass
@@ -116,8 +137,8 @@ def build_step_metadata(
 ) -> StepMetadata:
     """Build the :class:`StepMetadata` of one step (traceable; fixed shapes; no host sync).
 
-    The token rows are grouped by batch row, in order (``batch_index`` non-decreasing, as
-    :mod:`dsv4_compile.generation` lays them out)."""
+    The token rows are grouped by batch row, in order (``batch_index`` non-decreasing), every
+    batch row with one token at least, as :mod:`dsv4_compile.generation` lays them out."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     device = positions.device
@@ -165,7 +186,7 @@ def build_step_metadata(
 
     plans = {
         ratio: _compress_plan(
-            ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, page_table,
+            ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, ends, page_table,
             cache, mode,
         )
         for ratio in ratios
@@ -184,7 +205,7 @@ def build_step_metadata(
 
 
 def _compress_plan(
-    ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, page_table, cache, mode
+    ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, ends, page_table, cache, mode
 ) -> CompressPlan:
     device = positions.device
     num_tokens, batch = positions.shape[0], seq_lens.shape[0]
@@ -212,32 +233,53 @@ def _compress_plan(
     emit_slot = torch.where(valid, slot_of(page_table, req_slots[b], block, per_page), -1)
     emit_pos = torch.where(valid, block * ratio, 0)
 
-    # the pooled tokens: positions end-(S-1) .. end, oldest first
-    source_pos = end[:, None] - (span - 1) + torch.arange(span, device=device)
-    from_step = source_pos >= chunk_start[b][:, None]
-    source_row = (row[:, None] + source_pos - end[:, None]).clamp_min(0)  # <= row: in range
-    source_state = req_slots[b][:, None] * span + source_pos.remainder(span)
-
-    # ring writes: keep each request's last S tokens; the others go to the scratch row
-    keep = positions >= seq_lens[batch_index] - span
-    scratch = cache.max_requests * span + torch.arange(num_tokens, device=device) % span
-    state_index = torch.where(keep, req * span + positions % span, scratch)
-
     workspace_slots = None
     if mode == "prefill":
         filled = torch.div(seq_lens, ratio, rounding_mode="floor")
         workspace_slots = torch.where(k < filled[:, None], request_blocks, -1).flatten()
-    return CompressPlan(
+    plan = CompressPlan(
         ratio=ratio,
         lengths=lengths,
         block_slots=block_slots,
         block_offset=positions % ratio,
         emit_slot=emit_slot,
         emit_pos=emit_pos,
-        source_row=source_row,
-        source_from_step=from_step,
-        source_state=source_state,
-        source_pad=source_pos < 0,
-        state_index=state_index,
         workspace_slots=workspace_slots,
+    )
+
+    if not overlaps(ratio):
+        # a block's tokens in one step: at most ratio, and at most a batch row's tokens (every
+        # row has one at least); a decode step (T = B) pools one token per block with the state
+        width = ratio if mode == "prefill" else min(ratio, num_tokens - batch + 1)
+        plan.pooled = _pooling(end, row, block * ratio, chunk_start[b], req_slots[b], width)
+        next_block = torch.div(seq_lens, ratio, rounding_mode="floor") * ratio  # the unfinished block
+        plan.carry = _pooling(seq_lens - 1, ends - 1, next_block, chunk_start, req_slots, width)
+        return plan
+
+    # the pooled tokens: positions end-(S-1) .. end, oldest first
+    source_pos = end[:, None] - (span - 1) + torch.arange(span, device=device)
+    plan.source_from_step = source_pos >= chunk_start[b][:, None]
+    plan.source_row = (row[:, None] + source_pos - end[:, None]).clamp_min(0)  # <= row: in range
+    plan.source_state = req_slots[b][:, None] * span + source_pos.remainder(span)
+    plan.source_pad = source_pos < 0
+
+    # ring writes: keep each request's last S tokens; the others go to the scratch row
+    keep = positions >= seq_lens[batch_index] - span
+    scratch = cache.max_requests * span + torch.arange(num_tokens, device=device) % span
+    plan.state_index = torch.where(keep, req * span + positions % span, scratch)
+    return plan
+
+
+def _pooling(end, end_row, block_start, chunk_start, state, width: int) -> Pooling:
+    """:class:`Pooling` of blocks from ``block_start`` to position ``end`` (at step row
+    ``end_row``; ``end < block_start``: an empty block) of batch rows whose step starts at
+    ``chunk_start``, with request state rows ``state``."""
+    back = torch.arange(width - 1, -1, -1, device=end.device)  # oldest first
+    position = end[:, None] - back
+    first = torch.maximum(block_start, chunk_start)
+    return Pooling(
+        rows=(end_row[:, None] - back).clamp_min(0),  # >= the batch row's first row where from_step
+        from_step=position >= first[:, None],
+        state=state,
+        from_state=block_start < chunk_start,
     )
