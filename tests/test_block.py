@@ -127,7 +127,8 @@ def assert_same_state(got: DeepseekV4Attention, want: DeepseekV4Attention, exact
 def assert_no_cache_copy(code: str, layer: torch.nn.Module) -> None:
     """The generated code allocates no buffer of a cache's shape and copies into nothing."""
     for name, buf in layer.named_buffers():
-        if buf.dtype == torch.uint8 or name.endswith(("state_kv", "state_score", "state_max", "state_sum", "state_acc", "keys")):
+        states = ("state_kv", "state_score", "state_max", "state_sum", "state_acc", "keys")
+        if buf.dtype == torch.uint8 or name.endswith(states):
             shape = ", ".join(map(str, buf.shape))
             assert not re.search(rf"empty_strided\w*\(\({shape}\)", code), name
     assert ".copy_(" not in code

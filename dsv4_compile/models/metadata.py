@@ -2,11 +2,12 @@
 
 :func:`build_step_metadata` turns the batch description — ``positions [T]``, ``batch_index [T]``
 (the batch row of each token; a row's tokens are contiguous, one at least, at consecutive
-positions ending at ``seq_lens - 1``), ``seq_lens [B]`` (lengths after the step), ``req_slots [B]`` (the request's row
-in the page table and in the compressor states) and the page table — into cache write slots,
-window indices, compressed-block indices and compressor plans. It is traceable PyTorch with fixed
-shapes (functions of T, B and the :class:`~dsv4_compile.models.config.CacheConfig`), no host sync
-and no data-dependent branch: a slot of ``-1`` means "do not write" / "no key".
+positions ending at ``seq_lens - 1``), ``seq_lens [B]`` (lengths after the step), ``req_slots
+[B]`` (the request's row in the page table and in the compressor states) and the page table —
+into cache write slots, window indices, compressed-block indices and compressor plans. It is
+traceable PyTorch with fixed shapes (functions of T, B and the
+:class:`~dsv4_compile.models.config.CacheConfig`), no host sync and no data-dependent branch: a
+slot of ``-1`` means "do not write" / "no key".
 
 Addressing (:class:`~dsv4_compile.models.config.CacheConfig`): page ``j`` of request ``r`` is
 ``page_table[r, j]``; token ``p`` of the request lives at slot ``page * P + p % P`` of the window
