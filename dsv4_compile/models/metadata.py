@@ -251,7 +251,8 @@ def _compress_plan(
     if not overlaps(ratio):
         # a block's tokens in one step: at most ratio, and at most a batch row's tokens (every
         # row has one at least); a decode step (T = B) pools one token per block with the state
-        width = ratio if mode == "prefill" else min(ratio, num_tokens - batch + 1)
+        # (sym_min / sym_max: no guard on the token and request counts, which export keeps apart)
+        width = ratio if mode == "prefill" else torch.sym_min(ratio, torch.sym_max(num_tokens - batch + 1, 1))
         plan.pooled = _pooling(end, row, block * ratio, chunk_start[b], req_slots[b], width)
         next_block = torch.div(seq_lens, ratio, rounding_mode="floor") * ratio  # the unfinished block
         plan.carry = _pooling(seq_lens - 1, ends - 1, next_block, chunk_start, req_slots, width)
