@@ -89,6 +89,8 @@ def example_inputs(mode: str, device) -> dict[str, torch.Tensor]:
 def export_step(model, mode: str, *, max_tokens: int | None = None) -> torch.export.ExportedProgram:
     """``torch.export`` one step of a :class:`~dsv4_compile.models.DeepseekV4Model`, tokens per
     step up to ``max_tokens`` (default: the cache's ``max_requests * max_seq_len``)."""
+    from .models.metadata import counts_apart
+
     cache = model.cache
     max_tokens = max_tokens or cache.max_requests * cache.max_seq_len
     example = example_inputs(mode, next(model.parameters()).device)
@@ -98,7 +100,7 @@ def export_step(model, mode: str, *, max_tokens: int | None = None) -> torch.exp
     for name, (value, least) in need.items():  # what the example inputs of the trace need
         if value < least:
             raise ValueError(f"{name} must be >= {least} to export a {mode} step, got {value}")
-    with torch.no_grad():
+    with torch.no_grad(), counts_apart():
         return torch.export.export(
             Step(model, mode), (), example, dynamic_shapes=dynamic_shapes(max_tokens, cache.max_requests),
         )

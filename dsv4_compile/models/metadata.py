@@ -25,6 +25,7 @@ Two attention modes, chosen by the caller per step (a static choice, one graph e
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,22 @@ from .. import layout, ops
 from .config import CacheConfig
 
 MODES = ("decode", "prefill")
+
+_counts_apart = False  # see counts_apart()
+
+
+@contextlib.contextmanager
+def counts_apart():
+    """Within: trace steps whose token and request counts are separate dynamic dimensions
+    (``torch.export`` of a step that may extend requests). The running-state compressors then
+    pool a block's full width of step tokens, where a width from ``T - B`` (one token in a decode
+    step) would guard on the counts' difference, which export rejects."""
+    global _counts_apart
+    before, _counts_apart = _counts_apart, True
+    try:
+        yield
+    finally:
+        _counts_apart = before
 
 
 def overlaps(ratio: int) -> bool:
@@ -251,8 +268,10 @@ def _compress_plan(
     if not overlaps(ratio):
         # a block's tokens in one step: at most ratio, and at most a batch row's tokens (every
         # row has one at least); a decode step (T = B) pools one token per block with the state
-        # (sym_min / sym_max: no guard on the token and request counts, which export keeps apart)
-        width = ratio if mode == "prefill" else torch.sym_min(ratio, torch.sym_max(num_tokens - batch + 1, 1))
+        if mode == "prefill" or _counts_apart:
+            width = ratio
+        else:
+            width = max(1, min(ratio, num_tokens - batch + 1))
         plan.pooled = _pooling(end, row, block * ratio, chunk_start[b], req_slots[b], width)
         next_block = torch.div(seq_lens, ratio, rounding_mode="floor") * ratio  # the unfinished block
         plan.carry = _pooling(seq_lens - 1, ends - 1, next_block, chunk_start, req_slots, width)
