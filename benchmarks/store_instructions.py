@@ -4,18 +4,17 @@
 
 The store kernels have no loops, so the instruction count of one program, times its warps,
 divided by its tokens, is what the kernel issues per token (warp-instructions; predicated-off
-instructions included). Counted in PTX, or with ``--sass`` in the machine code (``cuobjdump``
-of the cubin, NOPs left out: what the GPU issues; PTX hides some of it, e.g. the unpacking of
-byte pairs that a select per byte costs). On the H200 the V4 store was bound by instruction issue (benchmarks/
-RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per cycle,
-65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
+instructions included). Counted in PTX, or with ``--sass`` in the machine code (``cuobjdump`` of
+the cubin, NOPs left out: what the GPU issues; PTX hides some of it, e.g. the unpacking of byte
+pairs that a select per byte costs). On the H200 the V4 store was bound by instruction issue
+(benchmarks/RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per
+cycle, 65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
 
 For each format, geometry (tokens x warps per program; ``*`` = the kernel's default) and rounding
 path (``cvt``: the conversion instructions used on SM89+; ``int``: integer arithmetic), compiled
-for ``--arch`` (compute capability x 10) with pointers 16-byte aligned and strides divisible by 16
-and the stride arguments of contiguous
-tensors equal to 1 made constants (as Triton specialises the real launch). ``--top N`` also lists the N most frequent instructions
-of the default geometry.
+for ``--arch`` (compute capability x 10) with pointers 16-byte aligned, strides divisible by 16 and
+the stride arguments of contiguous tensors (equal to 1) made constants, as Triton specialises the
+real launch. ``--top N`` also lists the N most frequent instructions of the default geometry.
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
 SASS_INSTRUCTION = re.compile(r"^[^\t\n]*\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def code(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int, sass: bool = False) -> str:
-    """The PTX (``sass``: the machine code) of one store program."""
+def instructions(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int,
+                 sass: bool = False) -> collections.Counter:
+    """The instructions of one store program, by opcode: its PTX (``sass``: its machine code)."""
     import inspect
 
     import triton
@@ -67,14 +67,10 @@ def code(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     if not sass:
-        return compiled.asm["ptx"]
+        return collections.Counter(INSTRUCTION.findall(compiled.asm["ptx"]))
     from triton.tools.disasm import get_sass
 
-    return get_sass(compiled.asm["cubin"])
-
-
-def count(text: str) -> collections.Counter:
-    found = INSTRUCTION.findall(text) or SASS_INSTRUCTION.findall(text)
+    found = SASS_INSTRUCTION.findall(get_sass(compiled.asm["cubin"]))
     return collections.Counter(name for name in found if name != "NOP")
 
 
@@ -92,7 +88,7 @@ def main() -> None:
         default = (triton_store.BLOCK_T, triton_store.num_warps(layout.cache_format(kv_format)))
         for block_t, warps in GEOMETRIES:
             per_token = [
-                sum(count(code(kv_format, block_t, warps, hw, args.arch, args.sass)).values()) * warps // block_t
+                sum(instructions(kv_format, block_t, warps, hw, args.arch, args.sass).values()) * warps // block_t
                 for hw in ((True, False) if args.arch >= 89 else (False,))
             ]
             cvt, integer = (per_token if len(per_token) == 2 else ("-", per_token[0]))
@@ -100,7 +96,7 @@ def main() -> None:
             print(f"{kv_format:<22} {f'{block_t}x{warps}{mark}':>9} {cvt:>6} {integer:>6}")
         if args.top:
             hw = args.arch >= 89
-            for name, n in count(code(kv_format, *default, hw, args.arch, args.sass)).most_common(args.top):
+            for name, n in instructions(kv_format, *default, hw, args.arch, args.sass).most_common(args.top):
                 print(f"    {n:>5} {name}")
 
 

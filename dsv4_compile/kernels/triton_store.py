@@ -111,7 +111,7 @@ def _nan_or_fp8(scaled, finite, CLAMP: tl.constexpr, HW: tl.constexpr):
     unpacks the instruction's byte pairs to select and repack them: ~4 more instructions per
     value). Else a select on the integer path's codes."""
     if HW:
-        return scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return _e4m3fn_bits(scaled, True).to(tl.uint8)
     codes = _e4m3fn_saturated(scaled, False) if CLAMP else _e4m3fn_bits(scaled, False)
     return tl.where(finite[:, None], codes, 0x7F).to(tl.uint8)
 

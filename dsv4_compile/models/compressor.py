@@ -75,14 +75,19 @@ class Compressor(nn.Module):
         """Pooled latents ``[N, head_dim]`` float32 of the plan's candidates (zero where
         ``emit_slot`` is -1), and this step's tokens, for :meth:`remember`. ``projected``: the
         step's ``x @ wkv_gate^T`` ``[T, proj_width]`` float32."""
-        width, d, r = self.coff * self.head_dim, self.head_dim, self.ratio
-        kv, score = projected.split(width, -1)
+        kv, score = projected.split(self.coff * self.head_dim, -1)
         score = score + self.ape[plan.block_offset]
         if plan.pooled is not None:
             _, total, acc = self._running(kv, score, plan.pooled)
-            latent = torch.where(total > 0, acc / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-            return latent.masked_fill((plan.emit_slot < 0)[:, None], 0.0), StepTokens(kv, score)
+            latent = acc / total.clamp_min(torch.finfo(total.dtype).tiny)  # (no token: 0 / tiny)
+        else:
+            latent = self._from_ring(kv, score, plan)
+        return latent.masked_fill((plan.emit_slot < 0)[:, None], 0.0), StepTokens(kv, score)
 
+    def _from_ring(self, kv: torch.Tensor, score: torch.Tensor, plan: CompressPlan) -> torch.Tensor:
+        """Ratio 4: each candidate's ``2*ratio`` tokens from the step or the ring, the previous
+        block's first halves and this block's second halves, softmax-pooled."""
+        d, r = self.head_dim, self.ratio
         from_step = plan.source_from_step[..., None]
         pooled_kv = torch.where(from_step, kv[plan.source_row], self.state_kv[plan.source_state])
         pooled_score = torch.where(
@@ -91,11 +96,9 @@ class Compressor(nn.Module):
         pad = plan.source_pad[..., None]
         pooled_kv = pooled_kv.masked_fill(pad, 0.0)
         pooled_score = pooled_score.masked_fill(pad, float("-inf"))
-        if self.coff == 2:  # previous block's first halves, then this block's second halves
-            pooled_kv = torch.cat([pooled_kv[:, :r, :d], pooled_kv[:, r:, d:]], dim=1)
-            pooled_score = torch.cat([pooled_score[:, :r, :d], pooled_score[:, r:, d:]], dim=1)
-        latent = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
-        return latent.masked_fill((plan.emit_slot < 0)[:, None], 0.0), StepTokens(kv, score)
+        pooled_kv = torch.cat([pooled_kv[:, :r, :d], pooled_kv[:, r:, d:]], dim=1)
+        pooled_score = torch.cat([pooled_score[:, :r, :d], pooled_score[:, r:, d:]], dim=1)
+        return (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
 
     def remember(self, plan: CompressPlan, tokens: StepTokens) -> None:
         """Update the state with this step's tokens: ratio 4, write them into the ring (each

@@ -170,6 +170,7 @@ def build_step_metadata(
     first_row = torch.searchsorted(batch_index, batch_rows)  # [B] row of the first token of each batch row
     ends = torch.searchsorted(batch_index, batch_rows, right=True)
     counts = ends - first_row
+    last_rows = ends - 1  # [B] row of the last token of each batch row
     chunk_start = seq_lens - counts  # [B] position of that token
     req = req_slots[batch_index]  # [T]
     swa_slots = slot_of(page_table, req, positions, page)
@@ -204,8 +205,8 @@ def build_step_metadata(
 
     plans = {
         ratio: _compress_plan(
-            ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, ends, page_table,
-            cache, mode,
+            ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, last_rows,
+            page_table, cache, mode,
         )
         for ratio in ratios
     }
@@ -213,7 +214,7 @@ def build_step_metadata(
         mode=mode,
         positions=positions,
         batch_index=batch_index,
-        last_rows=ends - 1,
+        last_rows=last_rows,
         swa_slots=swa_slots,
         window_indices=window_idx.int().unsqueeze(1),
         window_lengths=window_lengths,
@@ -223,7 +224,7 @@ def build_step_metadata(
 
 
 def _compress_plan(
-    ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, ends, page_table, cache, mode
+    ratio, positions, batch_index, req, seq_lens, req_slots, chunk_start, last_rows, page_table, cache, mode
 ) -> CompressPlan:
     device = positions.device
     num_tokens, batch = positions.shape[0], seq_lens.shape[0]
@@ -274,7 +275,7 @@ def _compress_plan(
             width = max(1, min(ratio, num_tokens - batch + 1))
         plan.pooled = _pooling(end, row, block * ratio, chunk_start[b], req_slots[b], width)
         next_block = torch.div(seq_lens, ratio, rounding_mode="floor") * ratio  # the unfinished block
-        plan.carry = _pooling(seq_lens - 1, ends - 1, next_block, chunk_start, req_slots, width)
+        plan.carry = _pooling(seq_lens - 1, last_rows, next_block, chunk_start, req_slots, width)
         return plan
 
     # the pooled tokens: positions end-(S-1) .. end, oldest first
