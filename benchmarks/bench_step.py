@@ -22,8 +22,10 @@ second). ``roofline_share`` = roofline time / step time.
 
 ``--profile DIR``: for each batch size, a ``torch.profiler`` table of the compiled (default mode)
 step's GPU kernels, grouped by layer part (from the kernels' names), its GEMMs by operand shapes
-(with their largest operand: mostly the weight), Inductor's code of that step
-(``DIR/b<batch>/``), and the Python functions its host time goes to (``cProfile``).
+(with their largest operand: mostly the weight), the host ops that issued its device copies
+(``Memcpy`` activities, found through the trace's correlation ids), Inductor's code and the Chrome
+trace of that step (``DIR/b<batch>/``), and the Python functions its host time goes to
+(``cProfile``).
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def graph_kernels(step, steps: int, device, directory: Path) -> dict:
             gemms.append({"op": e.key, "shapes": e.input_shapes, "calls": e.count // steps,
                           "us": round(e.device_time_total / steps, 2), "largest_operand": largest})
     directory.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(directory / "decode_step_trace.json"))
+    trace = directory / "decode_step_trace.json"
+    prof.export_chrome_trace(str(trace))
     parts = {}
     for name, (us, _) in rows.items():
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + us
@@ -169,7 +172,31 @@ def graph_kernels(step, steps: int, device, directory: Path) -> dict:
         "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": n[:160], "us": round(us, 2), "calls": c} for n, (us, c) in top],
         "gemms": sorted(gemms, key=lambda g: -g["us"]),
+        "copies": copy_sources(json.loads(trace.read_text()), steps),
     }
+
+
+def copy_sources(trace: dict, steps: int) -> list[dict]:
+    """Which host ops issued the step's device copies (``Memcpy`` activities of a Chrome trace of
+    ``steps`` steps): each copy's runtime call, found by its correlation id, and the CPU ops that
+    enclose that call on its thread, innermost first; per step, with the bytes of one copy."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    runtime = {e["args"]["correlation"]: e for e in spans
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = [e for e in spans if e.get("cat") == "cpu_op"]
+    found: dict[tuple, int] = {}
+    for e in spans:
+        if not e.get("name", "").startswith("Memcpy"):
+            continue
+        call = runtime.get(e.get("args", {}).get("correlation"))
+        enclosing = [] if call is None else sorted(
+            (op for op in ops if op["tid"] == call["tid"] and op["ts"] <= call["ts"]
+             and op["ts"] + op["dur"] >= call["ts"] + call["dur"]),
+            key=lambda op: op["dur"])
+        key = (e["name"], " < ".join(op["name"] for op in enclosing[:4]) or "?", e.get("args", {}).get("bytes"))
+        found[key] = found.get(key, 0) + 1
+    return [{"copy": name, "issued_by": source, "bytes": size, "per_step": n / steps}
+            for (name, source, size), n in sorted(found.items(), key=lambda kv: -kv[1])]
 
 
 #: the aten GEMMs Inductor calls (``extern_kernels``); their device time includes split-K reductions
