@@ -6,11 +6,13 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
 
 * query: ``q = wq_b(q_lora)`` ``[T, H_i, 128]`` (``q_lora`` is the attention's normed
   ``q_lora``), interleaved RoPE on its last 64 dims at the token position (the layer's table),
-  then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm.
+  then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm (no rotation
+  here: see Deviations).
 * head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5``.
 * keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block (its
   ``wkv_gate`` is rows of the layer's stacked input projection); the
-  latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated.
+  latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated
+  (not here).
 * logits over the request's visible blocks ``k < (pos+1)//4``:
   ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``.
 * tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
@@ -19,10 +21,14 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   ``index_topk`` best, in no particular order (ties broken by ``torch.topk``; unsorted, which
   spares a sort of the candidates on CUDA); ``-1`` pads to the fixed width.
 
-Deviation: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
+Deviations: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
 before the logits; here both stay float32, and the key cache is a float32 buffer addressed by c4
 slots (its last row is scratch for candidates that store nothing). Selection is therefore the
-exact-arithmetic top-k, which FP8 can perturb near ties.
+exact-arithmetic top-k, which FP8 can perturb near ties. And without FP8 there is nothing for the
+Hadamard rotation to do: it rotates queries and keys alike, and an orthonormal rotation keeps
+their dot products, ``<q H, k H> = <q, k>``; upstream applies it to spread outliers before
+quantizing. So neither is rotated (two float32 GEMMs per step fewer), the logits equal the
+rotated ones up to float32 rounding, and the key buffer holds unrotated keys.
 """
 
 from __future__ import annotations
@@ -38,15 +44,6 @@ from .parallel import SINGLE, TensorParallel, shard_
 from .rope import rope_last
 
 RATIO = 4
-
-
-def hadamard_matrix(n: int, device=None) -> torch.Tensor:
-    """The Sylvester Walsh-Hadamard matrix of order ``n`` (a power of two), scaled by ``n**-0.5``
-    so that ``x @ H`` is orthonormal."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).float().to(device)
 
 
 class Indexer(nn.Module):
@@ -78,7 +75,6 @@ class Indexer(nn.Module):
         shard_(self.weights_proj, weight=0)
         self.compressor = Compressor(self.head_dim, RATIO, max_requests=cache.max_requests, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
-        self.register_buffer("hadamard", hadamard_matrix(self.head_dim, device), persistent=False)
         slots = cache.num_pages * cache.compressed_page_size(RATIO)
         self.register_buffer("keys", torch.zeros(slots + 1, self.head_dim, device=device))
 
@@ -93,14 +89,16 @@ class Indexer(nn.Module):
         latent, tokens = self.compressor(projected, plan)
         key = rope_last(rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos)
         scratch = self.keys.shape[0] - 1
-        self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key @ self.hadamard
+        self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key
 
         q = self.wq_b(q_lora).view(-1, self.heads, self.head_dim)
-        q = rope_last(q, self.freqs, meta.positions) @ self.hadamard  # [T, H_i, D_i] fp32
+        q = rope_last(q, self.freqs, meta.positions)  # [T, H_i, D_i] fp32
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
         keys = self.keys[plan.block_slots.clamp_min(0)]  # [T, M, D_i]
-        scores = torch.einsum("thd,tkd->thk", q, keys).relu()
-        logits = self.tp.all_reduce(torch.einsum("th,thk->tk", weights, scores))  # sum over all heads
+        scores = torch.einsum("thd,tkd->thk", q, keys)
+        # the weighted sum over heads as one reduction with the ReLU (not a bmm, which would take
+        # the ReLU-ed scores and the broadcast weights as copies)
+        logits = self.tp.all_reduce((scores.relu() * weights[:, :, None]).sum(1))  # over all heads
         logits = logits.masked_fill(plan.block_slots < 0, float("-inf"))
         return self.select(logits, plan.lengths), tokens
 

@@ -121,8 +121,8 @@ class DeepseekV4Model(nn.Module):
 
     def state_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a step mutates, by qualified name: every cache, compressor state and
-        indexer key buffer. They are the persistent buffers; constants (page table, RoPE tables,
-        Hadamard matrix) are registered non-persistent."""
+        indexer key buffer. They are the persistent buffers; constants (page table, RoPE tables)
+        are registered non-persistent."""
         return {
             f"{prefix}{'.' if prefix else ''}{name}": buf
             for prefix, module in self.named_modules()
