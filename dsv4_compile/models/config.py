@@ -78,8 +78,8 @@ class DeepseekV4Config:
         d = self.index_head_dim
         if d & (d - 1) or d <= self.qk_rope_head_dim:
             raise ValueError(
-                f"index_head_dim must be a power of two > {self.qk_rope_head_dim} (Hadamard "
-                f"rotation, trailing RoPE dims), got {d}"
+                f"index_head_dim must be a power of two > {self.qk_rope_head_dim} (DSV4's indexer "
+                f"defines a Hadamard rotation of that order, and RoPE on its trailing dims), got {d}"
             )
 
 
