@@ -95,10 +95,11 @@ class Indexer(nn.Module):
         q = rope_last(q, self.freqs, meta.positions)  # [T, H_i, D_i] fp32
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
         keys = self.keys[plan.block_slots.clamp_min(0)]  # [T, M, D_i]
-        scores = torch.einsum("thd,tkd->thk", q, keys)
-        # the weighted sum over heads as one reduction with the ReLU (not a bmm, which would take
-        # the ReLU-ed scores and the broadcast weights as copies)
-        logits = self.tp.all_reduce((scores.relu() * weights[:, :, None]).sum(1))  # over all heads
+        scores = torch.einsum("thd,tkd->thk", q, keys)  # [T, H_i, M]
+        # the weighted sum over heads as one reduction with the ReLU (a bmm would take the ReLU-ed
+        # scores and the broadcast weights as copies); in place, so that an eager prefill holds
+        # one [T, H_i, M] tensor, not three
+        logits = self.tp.all_reduce(scores.relu_().mul_(weights[:, :, None]).sum(1))  # over all heads
         logits = logits.masked_fill(plan.block_slots < 0, float("-inf"))
         return self.select(logits, plan.lengths), tokens
 
