@@ -208,7 +208,8 @@ def assert_holds_keys(cache, page, pt, req, want, where) -> None:
 def test_caches_hold_the_reference_keys(ratio, step):
     """Window and compressed caches, at the slots the page table gives, hold the reference keys
     (one fp8 step on dims 0..447, bf16 on the RoPE dims); the indexer holds its keys, without
-    upstream's Hadamard rotation (models/indexer.py; the logits tests below score with it)."""
+    upstream's Hadamard rotation (models/indexer.py; the reference's selection, which the output
+    test below follows, scores with it)."""
     layer, first, second, _ = run_layer(ratio, step)
     ref = Reference(layer, first["page_table"])
     for b, (req, x) in enumerate(zip(REQ_SLOTS, request_history(first, second))):

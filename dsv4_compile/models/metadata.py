@@ -272,7 +272,7 @@ def _compress_plan(
         if mode == "prefill" or _counts_apart:
             width = ratio
         else:
-            width = max(1, min(ratio, num_tokens - batch + 1))
+            width = min(ratio, num_tokens - batch + 1)
         plan.pooled = _pooling(end, row, block * ratio, chunk_start[b], req_slots[b], width)
         next_block = torch.div(seq_lens, ratio, rounding_mode="floor") * ratio  # the unfinished block
         plan.carry = _pooling(seq_lens - 1, last_rows, next_block, chunk_start, req_slots, width)
