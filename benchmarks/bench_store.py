@@ -18,6 +18,7 @@ Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--to
 from __future__ import annotations
 
 import argparse
+import contextlib
 from unittest import mock
 
 import torch
@@ -54,13 +55,18 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+@contextlib.contextmanager
+def geometry(block_t: int, num_warps: int):
+    """Within: the V4 store launches ``block_t`` tokens per program on ``num_warps`` warps."""
+    with mock.patch.object(triton_store, "BLOCK_T", block_t), mock.patch.dict(triton_store.NUM_WARPS, v4=num_warps):
+        yield
+
+
 def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
     """The kernel at a launch geometry; ``hardware=False``: rounding in integer arithmetic even
     where the conversion instructions are used (``triton_common.hardware_conversions``)."""
     forced = {} if hardware is None else {args[0].device: hardware}
-    with mock.patch.object(triton_store, "BLOCK_T", block_t), \
-            mock.patch.dict(triton_store.NUM_WARPS, v4=num_warps), \
-            mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
+    with geometry(block_t, num_warps), mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
         return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))  # Triton's own launcher
 
 

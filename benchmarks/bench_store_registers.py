@@ -12,14 +12,14 @@ its two rows. Shares are of a device-to-device copy of the same traffic, timed t
 
 Only a measurement: the package launches the store without ``maxnreg`` (``torch.compile``'s
 wrapper of a user Triton kernel passes ``num_warps`` but not ``maxnreg``, so a cap would hold in
-eager calls only). ``store_instructions.py --sass`` shows what a cap does to the code offline.
+eager calls only). ``store_instructions.py --sass --maxnreg N`` shows what a cap does to the code
+offline (registers, spills, instructions).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from unittest import mock
 
 import torch
 
@@ -64,8 +64,7 @@ def main() -> None:
         for scattered in (False, True):
             args = bench_store.inputs(num_tokens, scattered)
             for run, (block_t, warps, maxnreg) in enumerate(CONFIGS + CONFIGS[::-1]):
-                with mock.patch.object(triton_store, "BLOCK_T", block_t), \
-                        mock.patch.dict(triton_store.NUM_WARPS, v4=warps):
+                with bench_store.geometry(block_t, warps):
                     store = lambda: triton_store._launch(lambda k: Capped(k, maxnreg), *args, "v4", True)
                     graph_us = graph_timed(store)
                     bench_us = bench_store.median_ms(store) * 1e3

@@ -1,6 +1,6 @@
 """Instructions the Triton cache store issues per token, counted from the code Triton emits; no GPU needed.
 
-    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0] [--sass]
+    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0] [--sass] [--maxnreg N]
 
 The store kernels have no loops, so the instruction count of one program, times its warps,
 divided by its tokens, is what the kernel issues per token (warp-instructions; predicated-off
@@ -15,6 +15,9 @@ path (``cvt``: the conversion instructions used on SM89+; ``int``: integer arith
 for ``--arch`` (compute capability x 10) with pointers 16-byte aligned, strides divisible by 16 and
 the stride arguments of contiguous tensors (equal to 1) made constants, as Triton specialises the
 real launch. ``--top N`` also lists the N most frequent instructions of the default geometry.
+With ``--sass`` each row also gives the registers and stack bytes (spills) per thread of the
+``cvt`` program (the integer one below SM89); ``--maxnreg N`` compiles every program under Triton's
+register cap of N per thread.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
 SASS_INSTRUCTION = re.compile(r"^[^\t\n]*\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def instructions(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int,
-                 sass: bool = False) -> collections.Counter:
-    """The instructions of one store program, by opcode: its PTX (``sass``: its machine code)."""
+def compiled_store(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int,
+                   maxnreg: int | None = None):
+    """One store program, compiled by Triton (``maxnreg``: its register cap per thread)."""
     import inspect
 
     import triton
@@ -65,7 +68,12 @@ def instructions(kv_format: str, block_t: int, num_warps: int, hardware: bool, a
     signature = {name: types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def instructions(compiled, sass: bool = False) -> collections.Counter:
+    """The instructions of a compiled program, by opcode: its PTX (``sass``: its machine code)."""
     if not sass:
         return collections.Counter(INSTRUCTION.findall(compiled.asm["ptx"]))
     from triton.tools.disasm import get_sass
@@ -74,29 +82,56 @@ def instructions(kv_format: str, block_t: int, num_warps: int, hardware: bool, a
     return collections.Counter(name for name in found if name != "NOP")
 
 
+def resources(compiled) -> tuple[int, int]:
+    """``(registers per thread, stack bytes per thread)`` of a compiled program's cubin
+    (``cuobjdump --dump-resource-usage``; stack bytes are register spills here)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.tools.disasm import path_to_cuobjdump
+
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([path_to_cuobjdump(), "--dump-resource-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return int(found[1]), int(found[2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
     parser.add_argument("--formats", nargs="+", default=["v4", "v4.1-fp8", "v4.1-fp4"])
     parser.add_argument("--top", type=int, default=0, help="list the N most frequent instructions")
-    parser.add_argument("--sass", action="store_true", help="count the machine code instead of the PTX")
+    parser.add_argument("--sass", action="store_true",
+                        help="count the machine code instead of the PTX; also list registers and stack per thread")
+    parser.add_argument("--maxnreg", type=int, help="compile under this register cap per thread")
     args = parser.parse_args()
     what = "SASS" if args.sass else "PTX"
-    print(f"sm_{args.arch}: warp-instructions per token ({what}, one program x warps / tokens)")
-    print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}")
+    cap = "" if args.maxnreg is None else f", maxnreg {args.maxnreg}"
+    print(f"sm_{args.arch}{cap}: warp-instructions per token ({what}, one program x warps / tokens)")
+    print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}" + (f" {'regs':>5} {'stack':>6}" if args.sass else ""))
     for kv_format in args.formats:
         default = (triton_store.BLOCK_T, triton_store.num_warps(layout.cache_format(kv_format)))
         for block_t, warps in GEOMETRIES:
-            per_token = [
-                sum(instructions(kv_format, block_t, warps, hw, args.arch, args.sass).values()) * warps // block_t
-                for hw in ((True, False) if args.arch >= 89 else (False,))
-            ]
+            programs = [compiled_store(kv_format, block_t, warps, hw, args.arch, args.maxnreg)
+                        for hw in ((True, False) if args.arch >= 89 else (False,))]
+            per_token = [sum(instructions(p, args.sass).values()) * warps // block_t for p in programs]
             cvt, integer = (per_token if len(per_token) == 2 else ("-", per_token[0]))
             mark = "*" if (block_t, warps) == default else " "
-            print(f"{kv_format:<22} {f'{block_t}x{warps}{mark}':>9} {cvt:>6} {integer:>6}")
+            line = f"{kv_format:<22} {f'{block_t}x{warps}{mark}':>9} {cvt:>6} {integer:>6}"
+            if args.sass:  # of the first program: the cvt path where there is one
+                regs, stack = resources(programs[0])
+                line += f" {regs:>5} {stack:>6}"
+            print(line)
         if args.top:
-            hw = args.arch >= 89
-            for name, n in instructions(kv_format, *default, hw, args.arch, args.sass).most_common(args.top):
+            program = compiled_store(kv_format, *default, args.arch >= 89, args.arch, args.maxnreg)
+            for name, n in instructions(program, args.sass).most_common(args.top):
                 print(f"    {n:>5} {name}")
 
 
