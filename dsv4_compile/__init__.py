@@ -14,6 +14,7 @@ from .ops import (
     flash_mla_with_kvcache,
     fused_k_norm_rope_flashmla,
     get_mla_metadata,
+    indexer_logits,
     quantize_store,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "fused_k_norm_rope_flashmla",
     "gather_dequant",
     "get_mla_metadata",
+    "indexer_logits",
     "layout",
     "ops",
     "page_bytes",

@@ -196,9 +196,10 @@ class Checker:
 
     def slots_valid(
         self, arg: str, slots: torch.Tensor, cap: int, counted: torch.Tensor | None = None,
-        holes: str = "-1",
+        holes: str = "-1", cap_name: str = "num_pages*page_size",
     ) -> None:
-        """Data check: every counted slot is ``-1`` (or any negative, ``holes="negative"``) or ``< cap``."""
+        """Data check: every counted slot is ``-1`` (or any negative, ``holes="negative"``) or
+        ``< cap`` (``cap_name`` says what bounds it)."""
         bad = slots >= cap
         if holes == "-1":
             bad |= slots < -1
@@ -209,7 +210,7 @@ class Checker:
             allowed = "-1" if holes == "-1" else "negative (skip)"
             self.fail(
                 arg,
-                f"{allowed} or a slot in [0, {cap}) (num_pages*page_size)",
+                f"{allowed} or a slot in [0, {cap}) ({cap_name})",
                 f"{int(slots[where])} at {list(where)}",
             )
 
@@ -240,11 +241,16 @@ _DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra
 _PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
 _METADATA_TENSORS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
 _QUANTIZE_STORE_TENSORS = ("kv", "out_loc", "kvcache")
+_INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
 _STORE = Checker("fused_k_norm_rope_flashmla")
 _QUANTIZE_STORE = Checker("quantize_store")
 _DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
+_INDEXER = Checker("indexer_logits")
+#: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
+#: DSV4's is 128.
+MAX_INDEX_HEAD_DIM = 512
 
 
 def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> int:
@@ -397,6 +403,22 @@ def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) ->
 
 def check_metadata_data(q, indices, topk_length, extra_indices, extra_topk_length) -> None:
     """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
+
+
+def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
+    c = _INDEXER
+    c.same_device(_INDEXER_TENSORS, q, weights, keys, block_slots)
+    tokens, heads, dim = c.tensor("q", q, _F32, (None, None, None))
+    if not 1 <= dim <= MAX_INDEX_HEAD_DIM:
+        c.fail("q", f"float32 [T, H, D] with 1 <= D <= {MAX_INDEX_HEAD_DIM}", q)
+    c.tensor("weights", weights, _F32, (tokens, heads))
+    c.tensor("keys", keys, _F32, (None, dim))
+    width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, _INDEX_DTYPES, (tokens, None)))
+    return tokens, heads, width
+
+
+def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
+    _INDEXER.slots_valid("block_slots", block_slots, keys.shape[0], cap_name="keys.shape[0]")
 
 
 read_environment()

@@ -40,6 +40,7 @@ OPS = (
     "flash_mla_with_kvcache",
     "flash_mla_sparse_fwd",
     "get_mla_metadata",
+    "indexer_logits",
 )
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"

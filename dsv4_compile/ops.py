@@ -43,6 +43,7 @@ SCHEMAS = {
         "get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, "
         "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
     ),
+    "indexer_logits": "indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
 }
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -88,6 +89,11 @@ def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def indexer_logits_output(q: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
+    """Empty ``logits [T, M]`` fp32 (contiguous) on ``q.device``."""
+    return q.new_empty(q.shape[0], block_slots.shape[1])
+
+
 # --------------------------------------------------------------------------------------------
 # Fakes: the same metadata checks as the kernels, the same outputs' geometry.
 # --------------------------------------------------------------------------------------------
@@ -129,6 +135,12 @@ def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
     return metadata_outputs(q)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::indexer_logits", lib=_lib)
+def _indexer_logits_fake(q, weights, keys, block_slots):
+    checks.check_indexer_logits(q, weights, keys, block_slots)
+    return indexer_logits_output(q, block_slots)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels: one trampoline per dispatch key (dispatch.backend_kernel); inference-only.
 # --------------------------------------------------------------------------------------------
@@ -146,6 +158,7 @@ CHECKS = {
     "flash_mla_with_kvcache": (checks.check_decode, checks.check_decode_data),
     "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
     "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
+    "indexer_logits": (checks.check_indexer_logits, checks.check_indexer_logits_data),
 }
 
 
@@ -186,13 +199,14 @@ CALLS = {
     ),
     "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
     "get_mla_metadata": (NoCall, lambda a: ()),
+    "indexer_logits": (NoCall, lambda a: ()),
 }
 
 #: The inputs of each op that could require grad (floating point), as ``(position, name)``.
 GRAD_ARGS = {
     op: tuple(
         (i, a.name) for i, a in enumerate(getattr(getattr(torch.ops, NAMESPACE), op).default._schema.arguments)
-        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink")
+        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys")
     )
     for op in SCHEMAS
 }
@@ -367,3 +381,27 @@ def get_mla_metadata(
     if _direct_call_allowed(*args):
         return DIRECT["get_mla_metadata"](*args)
     return torch.ops.dsv4.get_mla_metadata.default(*args)
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    block_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The lightning indexer's block logits: ``logits [T, M]`` float32 with
+    ``logits[t, k] = sum_h weights[t, h] * relu(<q[t, h], keys[block_slots[t, k]]>)`` where
+    ``block_slots[t, k] >= 0``, and ``-inf`` where it is ``-1`` (a block the query does not see).
+
+    Args:
+        q: ``[T, H, D]`` float32 indexer queries (``1 <= D <= 512``).
+        weights: ``[T, H]`` float32 head weights (scales included).
+        keys: ``[S, D]`` float32 key buffer, one row per compressed-block slot.
+        block_slots: ``[T, M]`` int32/int64: the slot of each query's ``k``-th block, or ``-1``.
+
+    Only the referenced rows of ``keys`` are read; a query's cost follows its visible blocks.
+    """
+    args = (q, weights, keys, block_slots)
+    if _direct_call_allowed(*args):
+        return DIRECT["indexer_logits"](*args)
+    return torch.ops.dsv4.indexer_logits.default(*args)

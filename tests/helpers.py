@@ -82,6 +82,33 @@ def report(config, line: str) -> None:
         reporter.write_line(line)
 
 
+def patch_triton_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter bugs the kernels hit, nothing else (call in a
+    ``TRITON_INTERPRET=1`` process before the first launch): a scalar loop bound is a 1-element
+    array that NumPy >= 2.4 refuses to ``int()`` (triton-lang/triton#9171), and ``tl.dot`` on
+    bfloat16 operands multiplies their bit patterns (the interpreter has no bf16 arithmetic,
+    triton-lang/triton#11584); the shim converts them to float32 first, exactly."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    patch_tensor = it._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    dot = it.InterpreterBuilder.create_dot
+
+    def as_float32(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return it.TensorHandle(it._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+    it._patch_lang_tensor = patched_tensor
+    it.InterpreterBuilder.create_dot = lambda self, a, b, *rest: dot(self, as_float32(a), as_float32(b), *rest)
+
+
 def run_interpreted_child(config, test_file: str, echo: tuple[str, ...] = ()) -> None:
     """Run ``test_file``'s CPU tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton reads it
     when kernels are jitted, which this process may have done already). Fails unless the child

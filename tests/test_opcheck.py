@@ -39,6 +39,15 @@ STORE_CASES["empty"] = None
 
 METADATA_CASES = ["plain", "extra"]
 
+#: (tokens, heads, dim, width, slot dtype): DSV4's 64 x 128, odd sizes, no tokens, no columns
+INDEXER_CASES = {
+    f"T{t}-H{h}-D{d}-M{m}-{str(dtype).removeprefix('torch.')}": (t, h, d, m, dtype)
+    for t, h, d, m, dtype in [
+        (3, 64, 128, 40, torch.int64), (5, 3, 20, 7, torch.int32), (0, 4, 16, 8, torch.int64),
+        (2, 4, 16, 0, torch.int64),
+    ]
+}
+
 
 def decode_sample(heads, s_q, extra, sink_kind, lengths):
     batch, page_size = 2, 16
@@ -83,6 +92,12 @@ def metadata_sample(case):
             torch.tensor([0, 4, 4], dtype=torch.int32))
 
 
+def indexer_sample(tokens, heads, dim, width, dtype):
+    num_slots = 9
+    slots = torch.randint(-1, num_slots, (tokens, width), dtype=dtype)  # -1: not visible
+    return (torch.randn(tokens, heads, dim), torch.randn(tokens, heads), torch.randn(num_slots, dim), slots)
+
+
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode(case):
     torch.library.opcheck(torch.ops.dsv4.flash_mla_with_kvcache.default, decode_sample(*DECODE_CASES[case]))
@@ -103,6 +118,12 @@ def test_metadata(case):
     torch.library.opcheck(torch.ops.dsv4.get_mla_metadata.default, metadata_sample(case))
 
 
+@pytest.mark.parametrize("case", list(INDEXER_CASES))
+def test_indexer_logits(case):
+    torch.library.opcheck(torch.ops.dsv4.indexer_logits.default, indexer_sample(*INDEXER_CASES[case]))
+
+
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
-    assert [len(c) for c in (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES)] == [64, 14, 9, 2]
+    sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, INDEXER_CASES)
+    assert [len(c) for c in sets] == [64, 14, 9, 2, 4]

@@ -49,6 +49,12 @@ SCRIPT = textwrap.dedent(
         idx = torch.randint(0, 4096, (512, 1, 2048), dtype=torch.int32)
         run = lambda: d4.flash_mla_sparse_fwd(q, kv, idx, 0.04)
         outputs = q.numel() * 2 + 2 * 512 * 64 * 4
+    elif op == "indexer":  # T=512 rows, H=64 x 128, 4096 blocks each: 1.5 GB if gathered at once
+        q, w = torch.randn(512, 64, 128), torch.randn(512, 64)
+        keys = torch.randn(8192, 128)
+        slots = torch.randint(0, 8192, (512, 4096))
+        run = lambda: d4.indexer_logits(q, w, keys, slots)
+        outputs = 512 * 4096 * 4
     else:  # the store: 65536 tokens
         cache = d4.alloc_cache(256, 256)
         kv = torch.empty(65536, 512, dtype=torch.bfloat16).normal_()
@@ -76,7 +82,7 @@ def _clear_refs_works() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_works(),
                     reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
-@pytest.mark.parametrize("op", ["decode", "prefill", "store"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer"])
 def test_peak_memory_is_bounded(op, request):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

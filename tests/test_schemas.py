@@ -41,6 +41,12 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)""",
         )
 
+    def test_indexer_logits(self):
+        self.assertExpectedInline(
+            schema("indexer_logits"),
+            """dsv4::indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor""",
+        )
+
     def test_only_the_cache_is_mutable(self):
         for name in dsv4_compile.dispatch.OPS:
             args = getattr(torch.ops.dsv4, name).default._schema.arguments

@@ -6,10 +6,7 @@ Where it runs (as ``test_triton_store.py`` does):
 * **CPU, under ``TRITON_INTERPRET=1``** (``device="cpu"`` cases, ``@interpreted`` tests), in a child
   pytest started by :func:`test_interpreted_suite`: Triton reads the variable when it jits the
   kernels, which this process does compiled. Two shims, applied in the child only, work around
-  Triton 3.6 interpreter limits the kernels hit, nothing else: a scalar loop bound is a 1-element
-  array that NumPy >= 2.4 refuses to ``int()`` (triton-lang/triton#9171), and ``tl.dot`` on
-  bfloat16 operands multiplies their bit patterns (the interpreter has no bf16 arithmetic,
-  triton-lang/triton#11584); the shim converts them to float32 first, exactly.
+  Triton 3.6 interpreter limits the kernels hit (``helpers.patch_triton_interpreter``).
 * **CUDA** (``cuda`` marker): the same cases with compiled Triton, DSV4 shapes (max errors appended
   as JSON lines to ``$DSV4_RESULTS``), CUDA-graph replay, ``torch.compile``.
 * The rest in the plain CPU process: provider loading, split choice, what ``torch.compile`` traces.
@@ -32,32 +29,10 @@ triton = pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter bugs (see the module docstring)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as it
-
-    patch_tensor = it._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    dot = it.InterpreterBuilder.create_dot
-
-    def as_float32(x):
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return it.TensorHandle(it._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-
-    it._patch_lang_tensor = patched_tensor
-    it.InterpreterBuilder.create_dot = lambda self, a, b, *rest: dot(self, as_float32(a), as_float32(b), *rest)
-
+from helpers import patch_triton_interpreter  # noqa: E402
 
 if INTERPRETED:
-    _patch_interpreter()
+    patch_triton_interpreter()
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402

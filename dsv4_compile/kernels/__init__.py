@@ -9,7 +9,8 @@ lazily, at first use.
 * :mod:`.triton_store` — our Triton cache store on CUDA and XPU (``triton``).
 * :mod:`.triton_attention` — portable Triton sparse decode and prefill (``triton``): GPUs FlashMLA
   does not serve, XPU without sgl-kernel-xpu.
+* :mod:`.triton_indexer` — the lightning indexer's block logits in Triton (``triton``, CUDA and XPU).
 * :mod:`.triton_common` — what the Triton modules share: lazy jit, availability, inlining rules.
 """
 
-from . import flashmla, reference, triton_attention, triton_store, xpu  # noqa: F401 (registration)
+from . import flashmla, reference, triton_attention, triton_indexer, triton_store, xpu  # noqa: F401 (registration)

@@ -327,12 +327,45 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     return out, max_logits, lse
 
 
+# --------------------------------------------------------------------------------------------
+# indexer_logits (the lightning indexer's block scores)
+# --------------------------------------------------------------------------------------------
+
+#: Bytes per (query row, block) while a step of :func:`indexer_logits` runs, per unit of ``D + H``:
+#: the gathered key and the scores in fp32, and one temporary of each (tests/test_reference_memory.py:
+#: 65 MB measured for a 64 MB plan).
+INDEXER_BYTES = 8
+
+
+def indexer_logits(q, weights, keys, block_slots):
+    """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], keys[slot]>)``, ``-inf`` where the slot is
+    ``-1``: in blocks of columns and rows whose gathered keys and scores fit in
+    :data:`CHUNK_BYTES`."""
+    tokens, heads, dim = q.shape
+    width = block_slots.shape[1]
+    logits = ops.indexer_logits_output(q, block_slots)
+    if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
+        return logits.fill_(float("-inf"))
+    per_entry = INDEXER_BYTES * (dim + heads)
+    cols = max(1, min(width, CHUNK_BYTES // per_entry))
+    rows = max(1, min(tokens, CHUNK_BYTES // (per_entry * cols)))
+    for t in range(0, tokens, rows):
+        qt, wt = q[t : t + rows], weights[t : t + rows, :, None]
+        for k in range(0, width, cols):
+            slots = block_slots[t : t + rows, k : k + cols]
+            scores = torch.einsum("thd,tkd->thk", qt, keys[slots.clamp_min(0)])  # [t, H, k]
+            block = scores.relu_().mul_(wt).sum(1)
+            logits[t : t + rows, k : k + cols] = block.masked_fill_(slots < 0, float("-inf"))
+    return logits
+
+
 KERNELS = {
     "fused_k_norm_rope_flashmla": fused_k_norm_rope_flashmla,
     "quantize_store": quantize_store,
     "flash_mla_with_kvcache": flash_mla_with_kvcache,
     "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
     "get_mla_metadata": get_mla_metadata,
+    "indexer_logits": indexer_logits,
 }
 
 dispatch.register_provider(dispatch.Provider(

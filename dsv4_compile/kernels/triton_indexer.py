@@ -1,0 +1,155 @@
+"""Triton kernel for ``dsv4::indexer_logits`` on CUDA and XPU (provider ``"triton"``).
+
+One program scores ``BLOCK_N`` blocks of one query row (docs/design.md §2.8)::
+
+    logits[t, k] = sum_h w[t, h] * relu(<q[t, h], keys[block_slots[t, k]]>)     fp32
+    logits[t, k] = -inf                                   where block_slots[t, k] == -1
+
+The ``BLOCK_N`` keys are gathered by slot once and scored against every head, ``BLOCK_H`` heads
+at a time, by one ``tl.dot`` of float32 operands (:func:`precision`: 3xTF32 on the tensor cores of
+NVIDIA GPUs, ~float32; float32 FMAs elsewhere). A program whose blocks are all ``-1`` (past the
+query's visible blocks) reads no key and scores no head, so a query's cost follows its visible
+blocks, not the width of ``block_slots`` (the capacity of a request's cache); nothing is gathered
+into memory. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than
+3xTF32 at the model's shapes (same geometry).
+
+Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
+stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
+take it as any other op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch, ops
+from . import triton_common
+
+OP = "indexer_logits"
+NAME = "triton"
+#: Launch geometry (a rule, from a sweep on the H200: benchmarks/RESULTS.md, the indexer logits):
+#: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
+#: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
+BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton code: plain functions until _triton() jits them.
+# --------------------------------------------------------------------------------------------
+
+triton = tl = None  # bound by _triton()
+_CONSTEXPRS = ()
+
+
+def _logits_kernel(
+    q_ptr, w_ptr, keys_ptr, slots_ptr, out_ptr,
+    heads, dim, width,
+    q_t, q_h, q_d, w_t, w_h, k_s, k_d, s_t, s_k, out_t,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < width
+    slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
+    live = slots >= 0
+    # no head is scored (no key read) in a program none of whose blocks is visible
+    scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < dim
+    key = tl.load(
+        keys_ptr + slots[:, None] * k_s + d[None, :] * k_d, mask=live[:, None] & in_dim[None, :], other=0.0
+    )  # [BLOCK_N, BLOCK_D]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for h0 in range(0, scored_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        in_heads = h < heads
+        qh = tl.load(
+            q_ptr + t * q_t + h[:, None] * q_h + d[None, :] * q_d,
+            mask=in_heads[:, None] & in_dim[None, :], other=0.0,
+        )  # [BLOCK_H, BLOCK_D]
+        scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
+        relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
+        acc += tl.sum(relu * w[:, None], axis=0)
+    logits = tl.where(live, acc, float("-inf"))
+    tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
+
+
+_JITTED = ("_logits_kernel",)
+
+
+def _triton():
+    """Import Triton and jit this module's kernel in place, once (:mod:`.triton_common`)."""
+    return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
+
+
+def geometry(dim: int, heads: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_H, BLOCK_D)`` for keys of ``dim`` and ``heads`` query heads: the key
+    padded to a power of two (``tl.dot`` needs >= 16), :data:`BLOCK_N` / :data:`BLOCK_H` up to
+    128-dim keys and :data:`BLOCK_WIDE` beyond; no more heads per dot than there are (>= 16)."""
+    block_d = max(16, triton.next_power_of_2(dim))
+    block = BLOCK_N if block_d <= 128 else BLOCK_WIDE
+    block_h = min(BLOCK_H if block_d <= 128 else BLOCK_WIDE, max(16, triton.next_power_of_2(heads)))
+    return block, block_h, block_d
+
+
+def indexer_logits(q, weights, keys, block_slots):
+    """``dsv4::indexer_logits`` (eager) on validated arguments: one launch, no host sync."""
+    _triton()
+    logits = ops.indexer_logits_output(q, block_slots)
+    with triton_common.device_guard(q.device):
+        launch(q, weights, keys, block_slots, logits)
+    return logits
+
+
+def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WARPS) -> None:
+    """Write ``logits`` with one launch (none for an empty call); ``blocks``: ``(BLOCK_N,
+    BLOCK_H)`` instead of :func:`geometry`'s (for sweeps)."""
+    tokens, heads, dim = q.shape
+    width = block_slots.shape[1]
+    if tokens == 0 or width == 0:
+        return
+    block_n, block_h, block_d = geometry(dim, heads)
+    if blocks is not None:
+        block_n, block_h = blocks
+    qs, ws, ks, ss = q.stride(), weights.stride(), keys.stride(), block_slots.stride()
+    triton_common.eager(_logits_kernel)[(tokens, -(-width // block_n))](
+        q, weights, keys, block_slots, logits,
+        heads, dim, width,
+        qs[0], qs[1], qs[2], ws[0], ws[1], ks[0], ks[1], ss[0], ss[1], logits.stride()[0],
+        BLOCK_N=block_n, BLOCK_H=block_h, BLOCK_D=block_d, PRECISION=precision(q.device), num_warps=num_warps,
+    )
+
+
+_PRECISION: dict = {}  # device -> tl.dot input precision
+
+
+def precision(device: torch.device) -> str:
+    """The ``tl.dot`` precision of float32 scores on ``device``: ``"tf32x3"`` on NVIDIA GPUs of
+    compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
+    each operand split into a TF32 head and a TF32 tail, ~21 of float32's 24 significand bits;
+    the tail x tail product dropped), else ``"ieee"`` (float32 FMAs: XPU, ROCm, the interpreter).
+    Decided once per device."""
+    mode = _PRECISION.get(device)
+    if mode is None:
+        tensor_cores = (
+            device.type == "cuda" and torch.version.hip is None and not triton_common.interpreting(_logits_kernel)
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+        )
+        mode = _PRECISION[device] = "tf32x3" if tensor_cores else "ieee"
+    return mode
+
+
+def load(device: torch.device) -> dict:
+    """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
+    triton_common.require_device(_triton(), _logits_kernel, device, "indexer")
+    return {OP: indexer_logits}
+
+
+def register() -> None:
+    """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
+    for device_type in triton_common.DEVICE_TYPES:
+        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(OP,), fallback=True))
+
+
+register()
