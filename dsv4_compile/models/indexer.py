@@ -14,7 +14,8 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated
   (not here).
 * logits over the request's visible blocks ``k < (pos+1)//4``:
-  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``.
+  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``: op ``dsv4::indexer_logits``
+  (docs/design.md §2.8), which reads only those blocks' keys.
 * tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
   logits are all-reduced before the selection, so every rank selects the same blocks.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
@@ -22,8 +23,9 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   spares a sort of the candidates on CUDA); ``-1`` pads to the fixed width.
 
 Deviations: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
-before the logits; here both stay float32, and the key cache is a float32 buffer addressed by c4
-slots (its last row is scratch for candidates that store nothing). Selection is therefore the
+before the logits; here both stay float32 (the op scores them in float32, or 3xTF32 on NVIDIA
+tensor cores, ~float32), and the key cache is a float32 buffer addressed by c4 slots (its last row
+is scratch for candidates that store nothing). Selection is therefore the
 exact-arithmetic top-k, which FP8 can perturb near ties. And without FP8 there is nothing for the
 Hadamard rotation to do: it rotates queries and keys alike, and an orthonormal rotation keeps
 their dot products, ``<q H, k H> = <q, k>``; upstream applies it to spread outliers before
@@ -94,13 +96,9 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lora).view(-1, self.heads, self.head_dim)
         q = rope_last(q, self.freqs, meta.positions)  # [T, H_i, D_i] fp32
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
-        keys = self.keys[plan.block_slots.clamp_min(0)]  # [T, M, D_i]
-        scores = torch.einsum("thd,tkd->thk", q, keys)  # [T, H_i, M]
-        # the weighted sum over heads as one reduction with the ReLU (a bmm would take the ReLU-ed
-        # scores and the broadcast weights as copies); in place, so that an eager prefill holds
-        # one [T, H_i, M] tensor, not three
-        logits = self.tp.all_reduce(scores.relu_().mul_(weights[:, :, None]).sum(1))  # over all heads
-        logits = logits.masked_fill(plan.block_slots < 0, float("-inf"))
+        # only the visible blocks' keys are read (the op; -inf where a block is not visible);
+        # -inf summed over ranks stays -inf
+        logits = self.tp.all_reduce(torch.ops.dsv4.indexer_logits(q, weights, self.keys, plan.block_slots))
         return self.select(logits, plan.lengths), tokens
 
     def select(self, logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
