@@ -1,0 +1,110 @@
+"""The indexer's block logits (``dsv4::indexer_logits``, Triton) against the gather-and-``bmm``
+formula it replaced in the model, on the model's shapes (64 heads x 128 dims, ``max_seq_len``
+4096: 1024 block columns per row).
+
+Cases: decode of 1 and 64 requests whose 1025 tokens make 256 visible blocks each; a prefill
+chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` blocks). Rows:
+
+* ``triton``: the op (default geometry), and with ``--sweep`` every ``(BLOCK_N, BLOCK_H,
+  num_warps)`` of 16/32/64 x 16/32/64 x 4/8 launched directly;
+* ``gather+bmm``: ``keys[slots] -> einsum -> relu * w -> sum -> masked_fill``, compiled by
+  Inductor (what the model's step ran: a gather kernel, a float32 cuBLAS ``bmm`` over every
+  column, a reduction);
+* the floor: bytes the op must move (visible keys, queries, weights, slots, logits) at the
+  device-to-device copy rate measured in the same run, and its float32 FMAs at the H200's
+  67 TFLOP/s (no tensor cores: IEEE float32).
+
+Times are CUDA-graph replays of 10 calls (median of 7 runs; ``common.graph_timed``).
+
+Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_indexer.py [--sweep] [--json F]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+import dsv4_compile as d4
+from dsv4_compile.kernels import triton_indexer
+from common import graph_timed
+
+HEADS, DIM, WIDTH = 64, 128, 1024
+FP32_FLOPS = 67e12  # H200 SXM, non-tensor float32
+
+
+def case(name: str):
+    """``(q, weights, keys, slots)`` on CUDA for a named case."""
+    if name == "prefill":
+        prompts, length = 8, 1024
+        request = torch.arange(prompts * length, device="cuda") // length
+        visible = (torch.arange(prompts * length, device="cuda") % length + 1) // 4
+    else:
+        rows = 1 if name == "decode-b1" else 64
+        request = torch.arange(rows, device="cuda")
+        visible = torch.full((rows,), 256, device="cuda")
+    tokens = request.numel()
+    k = torch.arange(WIDTH, device="cuda")
+    slots = torch.where(k < visible[:, None], request[:, None] * WIDTH + k, -1)
+    keys = torch.randn(int(request.max()) * WIDTH + WIDTH, DIM, device="cuda")
+    return torch.randn(tokens, HEADS, DIM, device="cuda"), torch.randn(tokens, HEADS, device="cuda"), keys, slots
+
+
+def gather_bmm(q, weights, keys, slots):
+    scores = torch.einsum("thd,tkd->thk", q, keys[slots.clamp_min(0)])
+    return scores.relu().mul(weights[:, :, None]).sum(1).masked_fill(slots < 0, float("-inf"))
+
+
+def copy_rate() -> float:
+    """Device-to-device copy rate, bytes read + written per second (256 MB)."""
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (graph_timed(lambda: dst.copy_(src)) * 1e-6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    rate = copy_rate()
+    compiled = torch.compile(gather_bmm, dynamic=False)
+    results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}
+    print(f"copy rate {rate / 1e12:.2f} TB/s")
+    for name in ("decode-b1", "decode-b64", "prefill"):
+        q, weights, keys, slots = inputs = case(name)
+        visible = int((slots >= 0).sum())
+        moved = visible * DIM * 4 + q.numel() * 4 + weights.numel() * 4 + slots.numel() * (8 + 4)
+        floor_us = max(moved / rate, 2 * HEADS * DIM * visible / FP32_FLOPS) * 1e6
+        print(f"{name} ...", flush=True)
+        ours = d4.indexer_logits(*inputs)
+        torch.testing.assert_close(ours, compiled(*inputs), rtol=1e-4, atol=1e-3)
+        row = {
+            "tokens": q.shape[0], "visible_blocks": visible, "bytes": moved, "floor_us": floor_us,
+            "triton_us": graph_timed(lambda: d4.indexer_logits(*inputs)),
+            "gather_bmm_us": graph_timed(lambda: compiled(*inputs)),
+            "geometry": triton_indexer.geometry(DIM, HEADS),
+        }
+        if args.sweep:
+            out = torch.empty_like(ours)
+            row["sweep"] = {}
+            for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (4, 8)):
+                launch = lambda: triton_indexer.launch(*inputs, out, (block_n, block_h), warps)  # noqa: E731
+                us = row["sweep"][f"{block_n}x{block_h}/{warps}w"] = graph_timed(launch)
+                print(f"   {block_n}x{block_h}/{warps}w {us:.1f} us", flush=True)
+        results["cases"][name] = row
+        print(f"{name}: {row['tokens']} rows, {visible} visible blocks; triton {row['triton_us']:.1f} us, "
+              f"gather+bmm {row['gather_bmm_us']:.1f} us, floor {floor_us:.1f} us "
+              f"({floor_us / row['triton_us']:.0%} of it)")
+        if args.sweep:
+            best = sorted(row["sweep"].items(), key=lambda kv: kv[1])[:5]
+            print("   fastest geometries:", ", ".join(f"{k} {v:.1f}" for k, v in best))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
