@@ -52,7 +52,7 @@ RANKING = {
     "sgl_kernel_xpu": 100,  # sgl-kernel-xpu on Intel GPUs (kernels/xpu.py)
     "sgl_kernel": 30,  # FlashMLA in sgl-kernel's sgl_kernel.flash_mla (kernels/flashmla.py)
     "flashmla": 20,  # FlashMLA's legacy kernels in sgl-flash-mla (kernels/flashmla.py)
-    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py)
+    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py, triton_indexer.py)
     REFERENCE: -1000,  # plain PyTorch, every device (kernels/reference.py)
 }
 

@@ -43,3 +43,11 @@ DEVICE = {
 #: differ by one step where the fp32 value lands on (or within an ulp of) a rounding tie; a
 #: differing byte is one fp8 step: 2**-3 relative (e4m3 has 3 mantissa bits).
 STORE_FP8_STEP = 2**-3
+
+#: The indexer's logits (``dsv4::indexer_logits``), each provider against a float64 sum: the error
+#: bound is ``INDEXER_ULPS_PER_TERM * (D + H) * eps32 * sum_h |w_h| sum_d |q_hd k_d|``. A float32
+#: dot product of ``D`` terms errs by at most ``~D * eps32`` of the sum of its terms' magnitudes,
+#: and the weighted sum over ``H`` heads adds ``~H * eps32``; 3xTF32 products (NVIDIA) represent
+#: each operand with ~21 significand bits, a few eps32 per product, inside the same bound (measured
+#: worst: 0.03 of it, benchmarks/RESULTS.md).
+INDEXER_ULPS_PER_TERM = 1.0

@@ -24,6 +24,7 @@ if INTERPRETED:
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch  # noqa: E402
 from dsv4_compile.kernels import reference  # noqa: E402
+from dsv4_compile.tolerances import INDEXER_ULPS_PER_TERM  # noqa: E402
 
 OP = torch.ops.dsv4.indexer_logits.default
 EPS = torch.finfo(torch.float32).eps
@@ -60,7 +61,8 @@ def make_case(tokens, heads, dim, width, num_slots, device="cpu", dtype=torch.in
 
 def float64_logits(q, weights, keys, slots):
     """``(logits, bound)``: the float64 logits (``-inf`` where ``slot == -1``) and a float32 error
-    bound for either provider: ``(dim + heads) * eps * sum_h |w_h| * sum_d |q_hd k_d|``."""
+    bound for either provider (``tolerances.INDEXER_ULPS_PER_TERM``):
+    ``(dim + heads) * eps * sum_h |w_h| * sum_d |q_hd k_d|``."""
     q, weights, keys = q.double().cpu(), weights.double().cpu(), keys.double().cpu()
     slots = slots.cpu()
     gathered = keys[slots.clamp_min(0)]  # [T, M, D]
@@ -68,7 +70,7 @@ def float64_logits(q, weights, keys, slots):
     logits = (scores.clamp_min(0) * weights[:, :, None]).sum(1)
     magnitude = (torch.einsum("thd,tmd->thm", q.abs(), gathered.abs()) * weights.abs()[:, :, None]).sum(1)
     hidden = slots < 0
-    bound = (q.shape[2] + q.shape[1]) * EPS * magnitude
+    bound = INDEXER_ULPS_PER_TERM * (q.shape[2] + q.shape[1]) * EPS * magnitude
     return logits.masked_fill(hidden, float("-inf")), bound.masked_fill(hidden, 0.0)
 
 
@@ -132,10 +134,10 @@ def test_triton_against_float64(case, device, request):
     report(request.config, f"indexer logits triton {case} ({device}): worst error {worst:.3f} of the float32 bound")
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_reads_only_referenced_keys(device):
+def assert_reads_only_referenced_keys(logits, device):
     """Key rows no row references, and the keys' padding past ``dim`` in a wider buffer, hold NaN
-    and Inf: every output is bit for bit the same as with clean keys."""
+    and Inf: every output of ``logits(q, weights, keys, slots)`` is bit for bit the same as with
+    clean keys."""
     q, weights, keys, slots = make_case(*CASES["odd"], device=device)
     wide = torch.randn(keys.shape[0] + 3, keys.shape[1] + 5, device=device)
     wide[:, keys.shape[1]:] = float("nan")
@@ -143,10 +145,20 @@ def test_triton_reads_only_referenced_keys(device):
     unreferenced = torch.ones(wide.shape[0], dtype=torch.bool, device=device)
     unreferenced[slots[slots >= 0]] = False
     wide[: keys.shape[0], : keys.shape[1]] = keys
-    clean = triton_logits((q, weights, wide[:, : keys.shape[1]].clone(), slots))
+    clean = logits((q, weights, wide[:, : keys.shape[1]].clone(), slots))
     wide[unreferenced] = float("nan")
-    poisoned = triton_logits((q, weights, wide[:, : keys.shape[1]], slots))
+    poisoned = logits((q, weights, wide[:, : keys.shape[1]], slots))
     assert torch.equal(poisoned, clean)
+
+
+@not_interpreted
+def test_reference_reads_only_referenced_keys():
+    assert_reads_only_referenced_keys(lambda args: d4.indexer_logits(*args), "cpu")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_reads_only_referenced_keys(device):
+    assert_reads_only_referenced_keys(triton_logits, device)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

@@ -1,4 +1,5 @@
-"""What the Triton kernel modules (:mod:`.triton_store`, :mod:`.triton_attention`) share.
+"""What the Triton kernel modules (:mod:`.triton_store`, :mod:`.triton_attention`,
+:mod:`.triton_indexer`) share.
 
 * Lazy Triton: importing ``dsv4_compile`` must not import Triton (slow, and absent on many CPU
   machines). The kernel modules define their ``@triton.jit`` functions and ``tl.constexpr``
