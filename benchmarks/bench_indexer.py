@@ -14,7 +14,8 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
   device-to-device copy rate measured in the same run, and its float32 FMAs at the H200's
   67 TFLOP/s (no tensor cores: IEEE float32).
 
-Times are CUDA-graph replays of 10 calls (median of 7 runs; ``common.graph_timed``).
+Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
+median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_indexer.py [--sweep] [--json F]``
 """
@@ -75,6 +76,7 @@ def main() -> None:
     print(f"copy rate {rate / 1e12:.2f} TB/s")
     for name in ("decode-b1", "decode-b64", "prefill"):
         q, weights, keys, slots = inputs = case(name)
+        per_graph = 2 if name == "prefill" else 10
         visible = int((slots >= 0).sum())
         moved = visible * DIM * 4 + q.numel() * 4 + weights.numel() * 4 + slots.numel() * (8 + 4)
         floor_us = max(moved / rate, 2 * HEADS * DIM * visible / FP32_FLOPS) * 1e6
@@ -83,8 +85,8 @@ def main() -> None:
         torch.testing.assert_close(ours, compiled(*inputs), rtol=1e-4, atol=1e-3)
         row = {
             "tokens": q.shape[0], "visible_blocks": visible, "bytes": moved, "floor_us": floor_us,
-            "triton_us": graph_timed(lambda: d4.indexer_logits(*inputs)),
-            "gather_bmm_us": graph_timed(lambda: compiled(*inputs)),
+            "triton_us": graph_timed(lambda: d4.indexer_logits(*inputs), per_graph),
+            "gather_bmm_us": graph_timed(lambda: compiled(*inputs), per_graph),
             "geometry": triton_indexer.geometry(DIM, HEADS),
         }
         if args.sweep:
@@ -92,7 +94,7 @@ def main() -> None:
             row["sweep"] = {}
             for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (4, 8)):
                 launch = lambda: triton_indexer.launch(*inputs, out, (block_n, block_h), warps)  # noqa: E731
-                us = row["sweep"][f"{block_n}x{block_h}/{warps}w"] = graph_timed(launch)
+                us = row["sweep"][f"{block_n}x{block_h}/{warps}w"] = graph_timed(launch, per_graph)
                 print(f"   {block_n}x{block_h}/{warps}w {us:.1f} us", flush=True)
         results["cases"][name] = row
         print(f"{name}: {row['tokens']} rows, {visible} visible blocks; triton {row['triton_us']:.1f} us, "
