@@ -1,9 +1,11 @@
 """Two versions of the package, the same step benchmark, in alternating processes.
 
-    python benchmarks/ab_step.py BASE NEW [--rounds 2] [--out DIR] -- <bench_step.py arguments>
+    python benchmarks/ab_step.py BASE NEW [--rounds 2] [--out DIR] [--new-args "..."] -- <bench_step.py arguments>
 
 ``BASE`` and ``NEW`` are directories that each hold a ``dsv4_compile`` package (e.g. ``.`` and
-a ``git archive REV dsv4_compile | tar -x -C base`` of another revision).
+a ``git archive REV dsv4_compile | tar -x -C base`` of another revision); they may be the same
+directory, with ``--new-args`` (bench_step.py arguments added to NEW's runs only, e.g.
+``--new-args "--inductor max_autotune_gemm=True"``) as the difference.
 
 Each run is a fresh process of this folder's ``bench_step.py`` (both versions must serve its
 imports), with the version first on ``PYTHONPATH`` (checked: the process imports that version).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -81,8 +84,9 @@ def main() -> list[dict]:
     parser.add_argument("new", type=Path)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each version (ABBA order)")
     parser.add_argument("--out", type=Path, default=Path("ab_step"), help="where each run's JSON report goes")
+    parser.add_argument("--new-args", default="", help="bench_step.py arguments for NEW's runs only")
     args = parser.parse_args(argv[:split])
-    bench_args = argv[split + 1:]
+    bench_args = {"base": argv[split + 1:], "new": [*argv[split + 1:], *shlex.split(args.new_args)]}
     for name in ("base", "new"):
         if not (getattr(args, name) / "dsv4_compile" / "__init__.py").is_file():
             parser.error(f"{name}: {getattr(args, name)} holds no dsv4_compile package")
@@ -90,7 +94,7 @@ def main() -> list[dict]:
     envs = {name: environment(getattr(args, name)) for name in ("base", "new")}
     reports = {"base": [], "new": []}
     for i, name in enumerate(order(args.rounds)):
-        reports[name].append(run_once(envs[name], bench_args, args.out / f"{name}_{i}.json"))
+        reports[name].append(run_once(envs[name], bench_args[name], args.out / f"{name}_{i}.json"))
         print(f"run {i}: {name} done", flush=True)
     rows = compare(reports)
     for row in rows:

@@ -20,6 +20,9 @@ compressed keys selected, and on ratio-4 layers the indexer's keys of every visi
 divided by the device-to-device copy rate measured in the same run (bytes read + written per
 second). ``roofline_share`` = roofline time / step time.
 
+``--inductor KEY=VALUE`` (repeatable) adds an Inductor option to every compiled variant (e.g.
+``max_autotune_gemm=True``); the report lists them (``inductor_options``).
+
 ``--profile DIR``: for each batch size, a ``torch.profiler`` table of the compiled (default mode)
 step's GPU kernels, grouped by layer part (from the kernels' names), its GEMMs by operand shapes
 (with their largest operand: mostly the weight), the host ops that issued its device copies
@@ -31,6 +34,7 @@ trace of that step (``DIR/b<batch>/``), and the Python functions its host time g
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import statistics
@@ -109,6 +113,28 @@ def decode_bytes(model: DeepseekV4Model, seq_lens: list[int]) -> int:
                 if attn.compress_ratio == 4:  # the indexer scores every visible block
                     cached += blocks * cfg.index_head_dim * attn.indexer.keys.element_size()
     return weights + cached
+
+
+def inductor_option(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` as ``(key, value)``: the value a Python literal where it parses as one."""
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--inductor {item!r}: expected KEY=VALUE")
+    try:
+        return key, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return key, text
+
+
+def compile_kwargs(kwargs: dict, options: dict) -> dict:
+    """``torch.compile`` keyword arguments of a variant with Inductor ``options`` added (a ``mode``
+    becomes its options: ``torch.compile`` takes one or the other)."""
+    if not options:
+        return kwargs
+    kwargs = dict(kwargs)
+    mode = kwargs.pop("mode", None)
+    merged = {**(torch._inductor.list_mode_options(mode) if mode else {}), **kwargs.pop("options", {}), **options}
+    return {**kwargs, "options": merged}
 
 
 def build(args, device) -> DeepseekV4Model:
@@ -203,14 +229,15 @@ def copy_sources(trace: dict, steps: int) -> list[dict]:
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def profile_step(model, texts, b: int, device, directory: Path) -> dict:
-    """The compiled (default mode) decode step of ``b`` requests: Inductor's code, its GPU kernels
-    (:func:`graph_kernels`) and its host time (:func:`host_functions`), under ``directory``."""
+def profile_step(model, texts, b: int, device, directory: Path, options: dict) -> dict:
+    """The compiled (default mode, Inductor ``options``) decode step of ``b`` requests: Inductor's
+    code, its GPU kernels (:func:`graph_kernels`) and its host time (:func:`host_functions`),
+    under ``directory``."""
     from torch._inductor.utils import run_and_get_code
 
     inputs = decode_inputs(Batch([t + [1] for t in texts[:b]]), device)
     torch._dynamo.reset()
-    named = torch.compile(model, fullgraph=True)
+    named = torch.compile(model, fullgraph=True, **compile_kwargs({}, options))
     _, code = run_and_get_code(named, **inputs, mode="decode")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "decode_step_code.py").write_text("\n\n".join(code))
@@ -275,6 +302,7 @@ def run(args) -> dict:
         "weights_mb": round(weights / 2**20, 1),
         "states_mb": round(states / 2**20, 1),
         "requests": args.requests,
+        "inductor_options": args.inductor,
         "prompt": args.prompt,
         "chunk": args.chunk,
     }
@@ -300,7 +328,8 @@ def run(args) -> dict:
                 continue
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            step = model if kwargs is None else torch.compile(model, fullgraph=True, **kwargs)
+            step = model if kwargs is None else torch.compile(
+                model, fullgraph=True, **compile_kwargs(kwargs, args.inductor))
             for b in args.batches:
                 batch = Batch([t + [1] for t in texts[:b]])
                 inputs = decode_inputs(batch, device)
@@ -323,8 +352,10 @@ def run(args) -> dict:
                     report["cudagraph_skips"] = skips
             print(json.dumps({"mode": mode, "decode": decode}), flush=True)  # progress
             if args.profile and mode == "default":
-                report["profiles"] = {str(b): profile_step(model, texts, b, device, Path(args.profile) / f"b{b}")
-                                      for b in args.batches}
+                report["profiles"] = {
+                    str(b): profile_step(model, texts, b, device, Path(args.profile) / f"b{b}", args.inductor)
+                    for b in args.batches
+                }
         report["decode"] = {str(b): row for b, row in decode.items()}
     return report
 
@@ -378,7 +409,11 @@ def main() -> dict:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write a PNG of step time vs batch here")
     parser.add_argument("--profile", help="write the compiled step's kernel profile here (CUDA)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="an Inductor option for every compiled variant (repeatable; VALUE a Python "
+                             "literal or a string), e.g. max_autotune_gemm=True")
     args = parser.parse_args()
+    args.inductor = dict(inductor_option(item) for item in args.inductor)
     if args.quick:
         args.device, args.requests, args.prompt, args.chunk, args.calls = "cpu", 4, 150, 128, 2
         args.batches, args.profile = "2", None
