@@ -331,31 +331,32 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 # indexer_logits (the lightning indexer's block scores)
 # --------------------------------------------------------------------------------------------
 
-#: Bytes per (query row, block) while a step of :func:`indexer_logits` runs, per unit of ``D + H``:
-#: the gathered key and the scores in fp32, and one temporary of each (tests/test_reference_memory.py:
-#: 65 MB measured for a 64 MB plan).
-INDEXER_BYTES = 8
-
-
 def indexer_logits(q, weights, keys, block_slots):
     """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], keys[slot]>)``, ``-inf`` where the slot is
-    ``-1``: in blocks of columns and rows whose gathered keys and scores fit in
-    :data:`CHUNK_BYTES`."""
+    ``-1``: in blocks of rows and columns whose gathered keys and scores (float32, two buffers
+    allocated once and reused, so the peak does not depend on the allocator's reuse of freed
+    blocks) fit in :data:`CHUNK_BYTES`."""
     tokens, heads, dim = q.shape
     width = block_slots.shape[1]
     logits = ops.indexer_logits_output(q, block_slots)
+    if tokens == 0 or width == 0:
+        return logits
     if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
         return logits.fill_(float("-inf"))
-    per_entry = INDEXER_BYTES * (dim + heads)
+    per_entry = 4 * (dim + heads) + 24  # a gathered key and a score per head (float32); slot, mask, sum
     cols = max(1, min(width, CHUNK_BYTES // per_entry))
     rows = max(1, min(tokens, CHUNK_BYTES // (per_entry * cols)))
+    gathered, scores = q.new_empty(rows * cols * dim), q.new_empty(rows * heads * cols)
     for t in range(0, tokens, rows):
         qt, wt = q[t : t + rows], weights[t : t + rows, :, None]
         for k in range(0, width, cols):
             slots = block_slots[t : t + rows, k : k + cols]
-            scores = torch.einsum("thd,tkd->thk", qt, keys[slots.clamp_min(0)])  # [t, H, k]
-            block = scores.relu_().mul_(wt).sum(1)
-            logits[t : t + rows, k : k + cols] = block.masked_fill_(slots < 0, float("-inf"))
+            n, c = slots.shape
+            keys_nc = gathered[: n * c * dim].view(n, c, dim)
+            torch.index_select(keys, 0, slots.clamp_min(0).flatten(), out=keys_nc.view(n * c, dim))
+            s = torch.bmm(qt, keys_nc.transpose(1, 2), out=scores[: n * heads * c].view(n, heads, c))
+            block = s.relu_().mul_(wt).sum(1)  # [n, c]
+            logits[t : t + rows, k : k + c] = block.masked_fill_(slots < 0, float("-inf"))
     return logits
 
 
