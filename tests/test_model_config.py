@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4_compile.models import DeepseekV4Config, apply_rope, layer_rope_table, tiny_config
-from dsv4_compile.models.rope import inv_freq, rope_last
+from dsv4_compile.models.rope import inv_freq, rope_full_width, rope_last
 
 
 def test_defaults_are_dsv4_flash():
@@ -93,11 +93,41 @@ def test_inverse_rope_undoes_rope():
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("shape", [(5, 512), (5, 3, 512), (4, 2, 128), (3, 64), (0, 3, 512)])
 def test_rope_last_rotates_the_last_dims_as_apply_rope_does_bit_for_bit(shape, inverse):
+    """Both forms (the eager tail rotation and the full-width one Inductor compiles), eagerly."""
     table = layer_rope_table(tiny_config(), 4)
     x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16()
     x.view(-1)[:7] = float("nan")  # a NaN moves nothing into another pair or into the pass-through dims
     pos = torch.arange(shape[0]) * 37
-    got = rope_last(x, table, pos, inverse=inverse)
     want = torch.cat([x[..., :-64].float(), apply_rope(x[..., -64:], table, pos, inverse=inverse)], -1)
-    assert got.dtype == torch.float32 and got.shape == x.shape
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for got in (rope_last(x, table, pos, inverse=inverse), rope_full_width(x, table, pos, inverse=inverse)):
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_rope_last_dtype_and_in_place():
+    """``dtype``: the float32 result rounded once; ``in_place``: eagerly, ``x`` itself rotated."""
+    table = layer_rope_table(tiny_config(), 4)
+    x = 3 * torch.randn(6, 4, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    pos = torch.arange(6) * 11
+    rounded = rope_last(x, table, pos, inverse=True).bfloat16()
+    assert torch.equal(rope_last(x, table, pos, inverse=True, dtype=torch.bfloat16).view(torch.int16),
+                       rounded.view(torch.int16))
+    mine = x.clone()
+    got = rope_last(mine, table, pos, inverse=True, dtype=torch.bfloat16, in_place=True)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(got.view(torch.int16), rounded.view(torch.int16))
+    kept = x.clone()  # a dtype other than x's: a copy, x untouched
+    rope_last(kept, table, pos, in_place=True)
+    assert torch.equal(kept.view(torch.int16), x.view(torch.int16))
+
+
+def test_rope_last_compiled_is_the_full_width_form():
+    """Compiled, ``rope_last`` is :func:`rope_full_width` (fused by Inductor: within float32
+    rounding of the eager result), and ``in_place`` does not make it write its input."""
+    table = layer_rope_table(tiny_config(), 4)
+    x = torch.randn(5, 3, 512, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(5) * 7
+    before = x.clone()
+    compiled = torch.compile(lambda x, p: rope_last(x, table, p, inverse=True, in_place=True), fullgraph=True)
+    got = compiled(x, pos)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(got, rope_last(x.clone(), table, pos, inverse=True), atol=1e-6, rtol=1e-6)

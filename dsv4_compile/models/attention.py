@@ -121,8 +121,9 @@ class DeepseekV4Attention(nn.Module):
         positions = meta.positions
         proj = self._x_parts(x)
         q_lora = self.q_norm(proj["wq_a"])
-        q = self.wq_b(q_lora).unflatten(-1, (self.heads, layout.HEAD_DIM))
-        q = rope_last(rms_norm(q, None, self.eps), self.freqs, positions).to(x.dtype)
+        # no name holds wq_b's bf16 output: rms_norm's float32 copy frees it (an eager prefill's peak)
+        q = rms_norm(self.wq_b(q_lora).unflatten(-1, (self.heads, layout.HEAD_DIM)), None, self.eps)
+        q = rope_last(q, self.freqs, positions, dtype=x.dtype)
         ops.fused_k_norm_rope_flashmla(
             proj["wkv"], self.kv_norm.weight, self.freqs, positions, meta.swa_slots,
             self.swa_cache, self.eps, self.page_size, self.kv_format,
@@ -147,7 +148,7 @@ class DeepseekV4Attention(nn.Module):
 
         attend = self._decode if meta.mode == "decode" else self._prefill
         out = attend(q, meta, blocks)  # [T, H, D] bf16
-        out = rope_last(out, self.freqs, positions, inverse=True).to(x.dtype)
+        out = rope_last(out, self.freqs, positions, inverse=True, dtype=x.dtype, in_place=True)
         # group g's heads through its block of wo_a: one batched GEMM over [G, T, H*D/G] views
         grouped = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).transpose(0, 1)
         wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1).transpose(1, 2)

@@ -89,7 +89,9 @@ class Indexer(nn.Module):
         from the layer's stacked input projection)."""
         plan = meta.plans[RATIO]
         latent, tokens = self.compressor(projected, plan)
-        key = rope_last(rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos)
+        key = rope_last(
+            rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos, in_place=True
+        )
         scratch = self.keys.shape[0] - 1
         self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key
 

@@ -104,15 +104,36 @@ def apply_rope(
 
 
 def rope_last(
+    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False,
+    dtype: torch.dtype = torch.float32, in_place: bool = False,
+) -> torch.Tensor:
+    """``x`` with its last ``ROPE_DIM`` dims rotated in float32 and the leading dims passed through,
+    as ``dtype`` (float32 by default; else the float32 result rounded once).
+
+    Under ``torch.compile`` / ``torch.export``: :func:`rope_full_width`, which Inductor fuses into
+    the kernels around it. Eagerly: a ``dtype`` copy of ``x`` with its last dims rotated in place
+    by :func:`apply_rope`, the same bits in one full-width tensor instead of the full-width form's
+    five float32 ones (they were an eager prefill step's peak). ``in_place``: ``x`` (already
+    ``dtype``) is a temporary the caller gives up, so eagerly it is rotated and returned without
+    that copy (compiled, the result is a new tensor as always: use the return value).
+    """
+    if torch.compiler.is_compiling():
+        return rope_full_width(x, table, positions, inverse=inverse).to(dtype)
+    out = x if in_place and x.dtype == dtype else x.to(dtype, copy=True)
+    out[..., -layout.ROPE_DIM:] = apply_rope(x[..., -layout.ROPE_DIM:], table, positions, inverse=inverse)
+    return out
+
+
+def rope_full_width(
     x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False
 ) -> torch.Tensor:
-    """``x`` (float32) with its last ``ROPE_DIM`` dims rotated; the leading dims pass through.
+    """:func:`rope_last`'s float32 result, written over the full width for Inductor.
 
-    The same arithmetic as :func:`apply_rope` on the last dims (bit for bit, eagerly), written over
-    the full width: ``where(rope dim, x * cos + partner * sin, x)``, where ``partner`` is the
-    other element of the dim's pair (``x[d ^ 1]``) and ``sin`` carries the pair member's sign.
-    Every term is elementwise over ``x``'s shape (no slicing and concatenation), so Inductor fuses
-    the rotation into the kernel that produces ``x`` (e.g. the query's RMSNorm) and its consumer.
+    The same arithmetic as :func:`apply_rope` on the last dims (bit for bit, eagerly):
+    ``where(rope dim, x * cos + partner * sin, x)``, where ``partner`` is the other element of the
+    dim's pair (``x[d ^ 1]``) and ``sin`` carries the pair member's sign. Every term is elementwise
+    over ``x``'s shape (no slicing and concatenation), so Inductor fuses the rotation into the
+    kernel that produces ``x`` (e.g. the query's RMSNorm) and its consumer.
     """
     x = x.float()
     width, half = x.shape[-1], layout.ROPE_DIM // 2
