@@ -161,6 +161,29 @@ def test_triton_reads_only_referenced_keys(device):
     assert_reads_only_referenced_keys(triton_logits, device)
 
 
+def strided(args):
+    """The same values in views with other strides: heads and dims of ``q`` interleaved with
+    garbage, ``weights`` transposed storage, ``block_slots`` every other column of a wider table."""
+    q, weights, keys, slots = args
+    wide_q = torch.full((q.shape[0], q.shape[1], 2 * q.shape[2]), float("nan"), device=q.device)
+    wide_q[..., ::2] = q
+    wide_slots = torch.full((slots.shape[0], 2 * slots.shape[1]), 10**6, dtype=slots.dtype, device=slots.device)
+    wide_slots[:, ::2] = slots
+    return wide_q[..., ::2], weights.t().contiguous().t(), keys, wide_slots[:, ::2]
+
+
+@not_interpreted
+def test_reference_takes_strided_inputs():
+    args = make_case(*CASES["odd"])
+    assert torch.equal(d4.indexer_logits(*strided(args)), d4.indexer_logits(*args))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_takes_strided_inputs(device):
+    args = make_case(*CASES["odd"], device=device)
+    assert torch.equal(triton_logits(strided(args)), triton_logits(args))
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_nan_stays_nan(device):
     """A NaN query yields NaN where its row sees a block (as ``relu`` keeps NaN), ``-inf`` where not."""
