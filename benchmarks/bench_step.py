@@ -273,7 +273,7 @@ PARTS = (
     ("attention op", ("sparse_decode", "flash_fwd", "flashmla", "flash_mla", "splitkv", "combine", "_decode_kernel", "_combine")),
     ("cache store", ("_store", "store_kernel", "quant")),
     ("scheduler", ("sched", "metadata")),
-    ("indexer", ("indexer",)),
+    ("indexer", ("indexer", "_logits_kernel", "topk")),
     ("compressor", ("compressor",)),
     ("projections (GEMM)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk", "gemv", "wgmma")),
     ("lm head / norm", ("lm_head", "norm")),
