@@ -391,12 +391,12 @@ def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device.index])
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(triton_common, "_HARDWARE_CONVERSIONS", {})
+    monkeypatch.setattr(triton_common, "_NVIDIA", {})
     assert triton_common.hardware_conversions(torch.device("cuda", 0), kernel) == (not INTERPRETED)
     assert not triton_common.hardware_conversions(torch.device("cuda", 1), kernel)
     assert not triton_common.hardware_conversions(torch.device("cpu"), kernel)
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    monkeypatch.setattr(triton_common, "_HARDWARE_CONVERSIONS", {})
+    monkeypatch.setattr(triton_common, "_NVIDIA", {})
     assert not triton_common.hardware_conversions(torch.device("cuda", 0), kernel)
 
 

@@ -63,7 +63,20 @@ def interpreting(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
-_HARDWARE_CONVERSIONS: dict = {}  # device -> bool
+_NVIDIA: dict = {}  # (device, capability) -> bool
+
+
+def nvidia_compiled(device: torch.device, kernel, capability: tuple[int, int]) -> bool:
+    """Whether ``kernel`` runs compiled (not interpreted) on ``device``, an NVIDIA GPU (CUDA, not
+    ROCm) of compute capability ``capability`` or later. Decided once per (device, capability)."""
+    key = (device, capability)
+    found = _NVIDIA.get(key)
+    if found is None:
+        found = _NVIDIA[key] = (
+            device.type == "cuda" and torch.version.hip is None and not interpreting(kernel)
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= capability
+        )
+    return found
 
 
 def hardware_conversions(device: torch.device, kernel) -> bool:
@@ -71,14 +84,8 @@ def hardware_conversions(device: torch.device, kernel) -> bool:
     instructions (``cvt``; rounding to nearest even, the same bits as the integer arithmetic they
     replace): NVIDIA GPUs of compute capability 8.9 or later (Ada, Hopper, Blackwell), compiled,
     not interpreted. Elsewhere (SM80, XPU, ROCm, ``TRITON_INTERPRET=1``) the kernels convert in
-    integer arithmetic. Decided once per device."""
-    hw = _HARDWARE_CONVERSIONS.get(device)
-    if hw is None:
-        hw = _HARDWARE_CONVERSIONS[device] = (
-            device.type == "cuda" and torch.version.hip is None and not interpreting(kernel)
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
-        )
-    return hw
+    integer arithmetic."""
+    return nvidia_compiled(device, kernel, (8, 9))
 
 
 def device_available(device: torch.device) -> bool:

@@ -121,23 +121,12 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
     )
 
 
-_PRECISION: dict = {}  # device -> tl.dot input precision
-
-
 def precision(device: torch.device) -> str:
     """The ``tl.dot`` precision of float32 scores on ``device``: ``"tf32x3"`` on NVIDIA GPUs of
     compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
     each operand split into a TF32 head and a TF32 tail, ~21 of float32's 24 significand bits;
-    the tail x tail product dropped), else ``"ieee"`` (float32 FMAs: XPU, ROCm, the interpreter).
-    Decided once per device."""
-    mode = _PRECISION.get(device)
-    if mode is None:
-        tensor_cores = (
-            device.type == "cuda" and torch.version.hip is None and not triton_common.interpreting(_logits_kernel)
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-        )
-        mode = _PRECISION[device] = "tf32x3" if tensor_cores else "ieee"
-    return mode
+    the tail x tail product dropped), else ``"ieee"`` (float32 FMAs: XPU, ROCm, the interpreter)."""
+    return "tf32x3" if triton_common.nvidia_compiled(device, _logits_kernel, (8, 0)) else "ieee"
 
 
 def load(device: torch.device) -> dict:
