@@ -30,6 +30,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile.kernels import triton_indexer
+from bench_step import copy_rate
 from common import graph_timed
 
 HEADS, DIM, WIDTH = 64, 128, 1024
@@ -58,19 +59,12 @@ def gather_bmm(q, weights, keys, slots):
     return scores.relu().mul(weights[:, :, None]).sum(1).masked_fill(slots < 0, float("-inf"))
 
 
-def copy_rate() -> float:
-    """Device-to-device copy rate, bytes read + written per second (256 MB)."""
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (graph_timed(lambda: dst.copy_(src)) * 1e-6)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    rate = copy_rate()
+    rate = copy_rate(torch.device("cuda"))
     compiled = torch.compile(gather_bmm, dynamic=False)
     results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}
     print(f"copy rate {rate / 1e12:.2f} TB/s")
