@@ -120,9 +120,9 @@ def test_rope_last_dtype_and_in_place():
     assert torch.equal(kept.view(torch.int16), x.view(torch.int16))
 
 
-def test_rope_last_compiled_is_the_full_width_form():
-    """Compiled, ``rope_last`` is :func:`rope_full_width` (fused by Inductor: within float32
-    rounding of the eager result), and ``in_place`` does not make it write its input."""
+def test_rope_last_compiled_writes_no_input_and_matches_eager():
+    """Compiled, ``rope_last`` (there :func:`rope_full_width`, fused by Inductor) is within float32
+    rounding of the eager result, and ``in_place`` does not make it write its input."""
     table = layer_rope_table(tiny_config(), 4)
     x = torch.randn(5, 3, 512, generator=torch.Generator().manual_seed(2))
     pos = torch.arange(5) * 7
