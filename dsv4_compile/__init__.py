@@ -15,6 +15,7 @@ from .ops import (
     fused_k_norm_rope_flashmla,
     get_mla_metadata,
     indexer_logits,
+    indexer_topk,
     quantize_store,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "gather_dequant",
     "get_mla_metadata",
     "indexer_logits",
+    "indexer_topk",
     "layout",
     "ops",
     "page_bytes",

@@ -248,6 +248,7 @@ _DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
 _INDEXER = Checker("indexer_logits")
+_TOPK = Checker("indexer_topk")
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
 MAX_INDEX_HEAD_DIM = 512
@@ -419,6 +420,18 @@ def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
 
 def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
     _INDEXER.slots_valid("block_slots", block_slots, keys.shape[0], cap_name="keys.shape[0]")
+
+
+def check_indexer_topk(logits, k) -> tuple[int, int]:
+    c = _TOPK
+    width = c.width("logits", logits, c.tensor("logits", logits, _F32, (None, None)))
+    if type(k) is not int or not 0 <= k <= width:  # bool is no int here
+        c.fail("k", f"an int in [0, {width}] (logits.shape[1])", k)
+    return logits.shape[0], width
+
+
+def check_indexer_topk_data(logits, k) -> None:
+    """Nothing: every float32 value has its place in the order (NaN included)."""
 
 
 read_environment()

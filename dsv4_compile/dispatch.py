@@ -41,6 +41,7 @@ OPS = (
     "flash_mla_sparse_fwd",
     "get_mla_metadata",
     "indexer_logits",
+    "indexer_topk",
 )
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"

@@ -44,6 +44,7 @@ SCHEMAS = {
         "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
     ),
     "indexer_logits": "indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
+    "indexer_topk": "indexer_topk(Tensor logits, int k) -> Tensor",
 }
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -94,6 +95,11 @@ def indexer_logits_output(q: torch.Tensor, block_slots: torch.Tensor) -> torch.T
     return q.new_empty(q.shape[0], block_slots.shape[1])
 
 
+def indexer_topk_output(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Empty ``indices [T, k]`` int64 (contiguous) on ``logits.device``."""
+    return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
+
+
 # --------------------------------------------------------------------------------------------
 # Fakes: the same metadata checks as the kernels, the same outputs' geometry.
 # --------------------------------------------------------------------------------------------
@@ -141,6 +147,12 @@ def _indexer_logits_fake(q, weights, keys, block_slots):
     return indexer_logits_output(q, block_slots)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::indexer_topk", lib=_lib)
+def _indexer_topk_fake(logits, k):
+    checks.check_indexer_topk(logits, k)
+    return indexer_topk_output(logits, k)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels: one trampoline per dispatch key (dispatch.backend_kernel); inference-only.
 # --------------------------------------------------------------------------------------------
@@ -159,6 +171,7 @@ CHECKS = {
     "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
     "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
     "indexer_logits": (checks.check_indexer_logits, checks.check_indexer_logits_data),
+    "indexer_topk": (checks.check_indexer_topk, checks.check_indexer_topk_data),
 }
 
 
@@ -182,6 +195,12 @@ class DecodeCall(NamedTuple):
     extra_kv_format: str | None
 
 
+class TopkCall(NamedTuple):
+    """What a provider's rule may look at in a top-k call."""
+
+    width: int
+
+
 class NoCall(NamedTuple):
     """Ops whose providers have no per-call rule."""
 
@@ -200,13 +219,14 @@ CALLS = {
     "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
     "get_mla_metadata": (NoCall, lambda a: ()),
     "indexer_logits": (NoCall, lambda a: ()),
+    "indexer_topk": (TopkCall, lambda a: (a[0].shape[1],)),
 }
 
 #: The inputs of each op that could require grad (floating point), as ``(position, name)``.
 GRAD_ARGS = {
     op: tuple(
         (i, a.name) for i, a in enumerate(getattr(getattr(torch.ops, NAMESPACE), op).default._schema.arguments)
-        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys")
+        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys", "logits")
     )
     for op in SCHEMAS
 }
@@ -405,3 +425,19 @@ def indexer_logits(
     if _direct_call_allowed(*args):
         return DIRECT["indexer_logits"](*args)
     return torch.ops.dsv4.indexer_logits.default(*args)
+
+
+def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's selection: ``indices [T, k]`` int64, the columns of each row's ``k`` largest
+    ``logits`` in ascending order. Among equal values the lower columns rank higher; ``-0.0``
+    equals ``0.0``; every NaN ranks above ``+inf``. The choice is exact (no rounding), so every
+    provider returns the same indices.
+
+    Args:
+        logits: ``[T, M]`` float32 (``-inf``: a block the row does not see).
+        k: ``0 <= k <= M`` columns per row.
+    """
+    args = (logits, k)
+    if _direct_call_allowed(logits):
+        return DIRECT["indexer_topk"](*args)
+    return torch.ops.dsv4.indexer_topk.default(*args)

@@ -71,6 +71,7 @@ def test_provider_choice(provider):
         "flash_mla_sparse_fwd": provider,
         "get_mla_metadata": provider,
         "indexer_logits": "reference",  # FlashMLA has none; the Triton one registers separately
+        "indexer_topk": "reference",
     }
 
 

@@ -123,7 +123,17 @@ def test_indexer_logits(case):
     torch.library.opcheck(torch.ops.dsv4.indexer_logits.default, indexer_sample(*INDEXER_CASES[case]))
 
 
+#: (rows, width, k): DSV4's selection; k = width; empty rows; k = 0
+TOPK_CASES = {f"T{t}-M{m}-k{k}": (t, m, k) for t, m, k in [(3, 1024, 512), (4, 37, 37), (0, 8, 3), (2, 8, 0)]}
+
+
+@pytest.mark.parametrize("case", list(TOPK_CASES))
+def test_indexer_topk(case):
+    rows, width, k = TOPK_CASES[case]
+    torch.library.opcheck(torch.ops.dsv4.indexer_topk.default, (torch.randn(rows, width), k))
+
+
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
-    sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, INDEXER_CASES)
-    assert [len(c) for c in sets] == [64, 14, 9, 2, 4]
+    sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, INDEXER_CASES, TOPK_CASES)
+    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4]

@@ -55,6 +55,10 @@ SCRIPT = textwrap.dedent(
         slots = torch.randint(0, 8192, (512, 4096))
         run = lambda: d4.indexer_logits(q, w, keys, slots)
         outputs = 512 * 4096 * 4
+    elif op == "topk":  # T=65536 rows (a prefill's), 1024 blocks each: 1.5 GB if sorted at once
+        logits = torch.randn(65536, 1024)
+        run = lambda: d4.indexer_topk(logits, 512)
+        outputs = 65536 * 512 * 8
     else:  # the store: 65536 tokens
         cache = d4.alloc_cache(256, 256)
         kv = torch.empty(65536, 512, dtype=torch.bfloat16).normal_()
@@ -82,7 +86,7 @@ def _clear_refs_works() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_works(),
                     reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
-@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer", "topk"])
 def test_peak_memory_is_bounded(op, request):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

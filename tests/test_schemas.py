@@ -47,6 +47,12 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor""",
         )
 
+    def test_indexer_topk(self):
+        self.assertExpectedInline(
+            schema("indexer_topk"),
+            """dsv4::indexer_topk(Tensor logits, int k) -> Tensor""",
+        )
+
     def test_only_the_cache_is_mutable(self):
         for name in dsv4_compile.dispatch.OPS:
             args = getattr(torch.ops.dsv4, name).default._schema.arguments

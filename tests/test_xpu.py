@@ -189,8 +189,9 @@ def padded_reference(op: str, args: list):
 def test_sgl_kernel_xpu_serves_every_op_it_has(standin):
     served = dispatch.providers("xpu")
     assert served.pop("quantize_store") != xpu_kernels.NAME  # sgl-kernel-xpu has no plain store
-    assert served.pop("indexer_logits") != xpu_kernels.NAME  # nor the indexer's logits
-    assert served == {op: xpu_kernels.NAME for op in dispatch.OPS if op not in ("quantize_store", "indexer_logits")}
+    indexer = ("indexer_logits", "indexer_topk")  # nor the indexer's logits and selection
+    assert all(served.pop(op) != xpu_kernels.NAME for op in indexer)
+    assert served == {op: xpu_kernels.NAME for op in dispatch.OPS if op not in ("quantize_store", *indexer)}
 
 
 def test_missing_sgl_kernel_falls_back_to_reference_with_install_hint(monkeypatch, registry):

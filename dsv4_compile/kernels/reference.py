@@ -360,6 +360,36 @@ def indexer_logits(q, weights, keys, block_slots):
     return logits
 
 
+# --------------------------------------------------------------------------------------------
+# indexer_topk (the indexer's selection)
+# --------------------------------------------------------------------------------------------
+
+def topk_keys(logits: torch.Tensor) -> torch.Tensor:
+    """One distinct int64 per entry whose order is the op's order (docs/design.md §2.9): the float32
+    bits made monotone (``-0.0`` as ``0.0``, every NaN as one NaN above ``+inf``) in the high
+    word, ``2^31 - 1 - column`` in the low word (equal values: the lower column ranks higher)."""
+    x = torch.where(logits.isnan(), float("nan"), logits + 0.0)  # -0.0 + 0.0 = +0.0
+    bits = x.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    column = torch.arange(logits.shape[1], device=logits.device)
+    return (ordered << 32) | ((1 << 31) - 1 - column)
+
+
+def indexer_topk(logits, k):
+    """The ``k`` largest :func:`topk_keys` of each row (distinct, so the set is unique), their
+    columns in ascending order; rows in chunks whose keys and selection fit in :data:`CHUNK_BYTES`."""
+    tokens, width = logits.shape
+    out = ops.indexer_topk_output(logits, k)
+    if tokens == 0 or k == 0:
+        return out
+    # per entry ~40 bytes of temporaries (the keys, then topk's); half the chunk, for allocator slack
+    rows = max(1, CHUNK_BYTES // (128 * width))
+    for t in range(0, tokens, rows):
+        best = topk_keys(logits[t : t + rows]).topk(k, dim=1, sorted=False).indices
+        out[t : t + rows] = best.sort(dim=1).values
+    return out
+
+
 KERNELS = {
     "fused_k_norm_rope_flashmla": fused_k_norm_rope_flashmla,
     "quantize_store": quantize_store,
@@ -367,6 +397,7 @@ KERNELS = {
     "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
     "get_mla_metadata": get_mla_metadata,
     "indexer_logits": indexer_logits,
+    "indexer_topk": indexer_topk,
 }
 
 dispatch.register_provider(dispatch.Provider(

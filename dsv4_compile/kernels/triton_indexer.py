@@ -1,4 +1,5 @@
-"""Triton kernel for ``dsv4::indexer_logits`` on CUDA and XPU (provider ``"triton"``).
+"""Triton kernels for ``dsv4::indexer_logits`` and ``dsv4::indexer_topk`` on CUDA and XPU
+(provider ``"triton"``).
 
 One program scores ``BLOCK_N`` blocks of one query row (docs/design.md §2.8)::
 
@@ -13,6 +14,14 @@ blocks, not the width of ``block_slots`` (the capacity of a request's cache); no
 into memory. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than
 3xTF32 at the model's shapes (same geometry).
 
+The top-k (docs/design.md §2.9): one program per row holds the row's values in registers as
+32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high
+word), finds the ``k``-th largest a byte at a time (four 256-bin histograms of the keys that share
+the bytes found so far: a radix select), then writes every column above it and the first columns
+equal to it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
+several. Rows wider than :data:`TOPK_MAX_WIDTH` go to the next provider (the reference: the same
+indices).
+
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
 take it as any other op.
@@ -25,12 +34,16 @@ import torch
 from .. import dispatch, ops
 from . import triton_common
 
-OP = "indexer_logits"
+OP, TOPK = "indexer_logits", "indexer_topk"
 NAME = "triton"
 #: Launch geometry (a rule, from a sweep on the H200: benchmarks/RESULTS.md, the indexer logits):
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
+#: Widest row the top-k program holds (its keys stay in registers), and its warps: 4 was the fastest,
+#: or within 2% of it, at 1 / 64 / 8192 rows of 1024 columns (benchmarks/RESULTS.md, the indexer's
+#: top-k; wider rows are tested, not yet timed).
+TOPK_MAX_WIDTH, TOPK_WARPS = 8192, 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +88,42 @@ def _logits_kernel(
     tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
 
 
-_JITTED = ("_logits_kernel",)
+def _topk_kernel(
+    x_ptr, out_ptr, width, k, x_t, x_m, out_t,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < width
+    x = tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0)
+    x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))  # one NaN; -0.0 as 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float order (signed)
+    key = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
+    # the k-th largest key, a byte at a time from the top: the byte whose bucket holds it among
+    # the keys that share the bytes found so far, and how many of them are still to take
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.uint32)
+    need = k
+    candidate = in_row
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        digit = ((key >> shift) & 255).to(tl.int32)
+        count = tl.histogram(digit, 256, mask=candidate)
+        above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0)  # candidates in higher buckets
+        hit = (above < need) & (above + count >= need)  # exactly one bucket
+        chosen = tl.sum(tl.where(hit, bins, 0), axis=0)
+        need -= tl.sum(tl.where(hit, above, 0), axis=0)
+        candidate = candidate & (digit == chosen)
+        prefix = prefix | (chosen.to(tl.uint32) << shift)
+    # every key above it, and the first `need` equal to it in column order; written in column order
+    equal = in_row & (key == prefix)
+    take = (in_row & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= need))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + t * out_t + slot, cols.to(tl.int64), mask=take)
+
+
+_JITTED = ("_logits_kernel", "_topk_kernel")
 
 
 def _triton():
@@ -121,6 +169,33 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
     )
 
 
+def indexer_topk(logits, k):
+    """``dsv4::indexer_topk`` (eager) on validated arguments at most :data:`TOPK_MAX_WIDTH`
+    columns wide: one launch (none for an empty call), no host sync."""
+    _triton()
+    out = ops.indexer_topk_output(logits, k)
+    with triton_common.device_guard(logits.device):
+        launch_topk(logits, k, out)
+    return out
+
+
+def launch_topk(logits, k, out, num_warps=TOPK_WARPS) -> None:
+    """Write ``out`` with one launch (none for an empty call); ``num_warps`` for sweeps."""
+    tokens, width = logits.shape
+    if tokens == 0 or k == 0:
+        return
+    triton_common.eager(_topk_kernel)[(tokens,)](
+        logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0],
+        BLOCK=max(256, triton.next_power_of_2(width)), num_warps=num_warps,  # >= the histograms' 256 bins
+    )
+
+
+#: The top-k program's condition on a call.
+TOPK_RULE = dispatch.Rule(
+    f"logits at most {TOPK_MAX_WIDTH} columns wide", lambda device, call: call.width <= TOPK_MAX_WIDTH
+)
+
+
 def precision(device: torch.device) -> str:
     """The ``tl.dot`` precision of float32 scores on ``device``: ``"tf32x3"`` on NVIDIA GPUs of
     compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
@@ -132,13 +207,15 @@ def precision(device: torch.device) -> str:
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
     triton_common.require_device(_triton(), _logits_kernel, device, "indexer")
-    return {OP: indexer_logits}
+    return {OP: indexer_logits, TOPK: indexer_topk}
 
 
 def register() -> None:
     """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
-        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(OP,), fallback=True))
+        dispatch.register_provider(dispatch.Provider(
+            NAME, device_type, load, ops=(OP, TOPK), fallback=True, rules={TOPK: TOPK_RULE},
+        ))
 
 
 register()

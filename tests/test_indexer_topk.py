@@ -1,0 +1,205 @@
+"""``dsv4::indexer_topk``: the reference and the Triton kernel against ``torch.sort``'s stable
+descending order, special values, strided rows, bad inputs, empty calls, ``torch.compile``, CUDA
+graphs.
+
+The op's choice is exact (no rounding), so every provider must return the same indices bit for
+bit: that is what these tests compare. The expected indices are the first ``k`` of
+``torch.sort(descending=True, stable=True)`` on CPU (which orders ``-0.0`` as ``0.0`` and every NaN
+above ``+inf``, as the op does), in ascending order, not either provider's output. Where the Triton kernel runs: as in ``test_indexer_logits.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+from helpers import patch_triton_interpreter, run_interpreted_child
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    patch_triton_interpreter()
+
+import dsv4_compile as d4  # noqa: E402
+from dsv4_compile import dispatch  # noqa: E402
+from dsv4_compile.kernels import reference  # noqa: E402
+
+TRITON_DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
+not_interpreted = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process")
+
+#: (rows, width, k): DSV4's 512 of 1024 blocks; odd sizes (k and width not powers of two); every
+#: column; one column; the widest row the Triton program takes
+CASES = {
+    "dsv4": (6, 1024, 512),
+    "odd": (5, 37, 5),
+    "all": (3, 300, 300),
+    "one": (4, 1, 1),
+    "widest": (2, 8192, 3000),
+}
+
+
+def make_logits(rows, width, device="cpu"):
+    """Logits with what the indexer's rows hold: ``-inf`` past a visible prefix, exact ties
+    (zeros, where every head's ReLU is 0, and repeated values), both zeros, NaN of both signs,
+    ``+inf``."""
+    x = torch.randn(rows, width)
+    x[:, 3::5] = x[:, :1]  # repeated values
+    x[:, 4::7] = 0.0
+    x[:, 6::11] = -0.0
+    visible = torch.randint(1, width + 1, (rows, 1))
+    x = x.masked_fill(torch.arange(width) >= visible, float("-inf"))
+    if width > 20:
+        x[0, 9], x[0, 13], x[1, 2] = float("nan"), -float("nan"), float("inf")
+    return x.to(device)
+
+
+def expected(logits, k):
+    """The first ``k`` columns of the stable descending sort, in ascending order."""
+    return torch.sort(logits.cpu(), dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+
+
+@pytest.mark.parametrize("k, columns", [
+    (2, [1, 7]),  # NaN of either sign first
+    (3, [1, 7, 8]),  # then +inf
+    (4, [1, 5, 7, 8]),  # of two equal values, the lower column
+    (7, [0, 1, 2, 5, 6, 7, 8]),  # of -0.0 and 0.0, the lower column
+    (9, list(range(9))),  # -inf last
+])
+def test_special_values_by_hand(k, columns):
+    x = torch.tensor([[1.0, float("nan"), -0.0, 0.0, float("-inf"), 2.0, 2.0, -float("nan"), float("inf")]])
+    assert reference.indexer_topk(x, k).tolist() == [columns]
+
+
+@not_interpreted
+@pytest.mark.parametrize("case", list(CASES))
+def test_reference_against_stable_sort(case):
+    rows, width, k = CASES[case]
+    logits = make_logits(rows, width)
+    assert d4.providers("cpu")["indexer_topk"] == "reference"
+    assert torch.equal(d4.indexer_topk(logits, k), expected(logits, k))
+
+
+@not_interpreted
+def test_reference_chunks_rows(monkeypatch):
+    """One row per chunk (a tiny :data:`reference.CHUNK_BYTES`), the same indices."""
+    logits = make_logits(*CASES["odd"][:2])
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 1)
+    assert torch.equal(reference.indexer_topk(logits, 5), expected(logits, 5))
+
+
+def triton_topk(logits, k):
+    """The Triton provider's kernel: through the op on CUDA (where it serves), directly when
+    interpreted on CPU (where the reference serves the op)."""
+    if logits.device.type == "cuda":
+        assert d4.providers("cuda")["indexer_topk"] == "triton"
+        return d4.indexer_topk(logits, k)
+    from dsv4_compile.kernels import triton_indexer
+
+    d4.checks.check_indexer_topk(logits, k)
+    return triton_indexer.indexer_topk(logits, k)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_against_stable_sort(case, device):
+    rows, width, k = CASES[case]
+    if INTERPRETED and width > 1024:
+        pytest.skip("minutes under the interpreter; compiled on CUDA")
+    logits = make_logits(rows, width, device)
+    assert torch.equal(triton_topk(logits, k).cpu(), expected(logits, k))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_takes_strided_rows(device):
+    """Every other column of a wider table whose other columns hold NaN (which would rank first)."""
+    logits = make_logits(*CASES["odd"][:2])
+    wide = torch.full((logits.shape[0], 2 * logits.shape[1]), float("nan"))
+    wide[:, ::2] = logits
+    assert torch.equal(triton_topk(wide.to(device)[:, ::2], 5).cpu(), expected(logits, 5))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_empty(device):
+    for rows, width, k in ((0, 8, 3), (3, 8, 0), (0, 0, 0)):
+        logits = torch.randn(rows, width, device=device)
+        assert triton_topk(logits, k).shape == (rows, k)
+
+
+@not_interpreted
+def test_interpreted_suite(request):
+    """Run this file's Triton tests on CPU in a child pytest with ``TRITON_INTERPRET=1``."""
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    run_interpreted_child(request.config, __file__)
+
+
+@not_interpreted
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda x: (x.double(), 2), "dsv4.indexer_topk: logits must be float32 [*, *], got float64"),
+        (lambda x: (x[0], 2), "logits must be float32 [*, *], got float32 [37]"),
+        (lambda x: (x, 38), "k must be an int in [0, 37] (logits.shape[1]), got 38"),
+        (lambda x: (x, -1), "k must be an int in [0, 37] (logits.shape[1]), got -1"),
+        (lambda x: (x[:, :1].expand(5, (1 << 20) + 1), 1), "logits must be at most 1048576 index columns wide"),
+    ],
+)
+def test_bad_inputs_are_named(bad, message):
+    args = bad(make_logits(*CASES["odd"][:2]))
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        d4.indexer_topk(*args)
+
+
+@not_interpreted
+def test_grad_is_refused():
+    with pytest.raises(RuntimeError, match="logits"):
+        d4.indexer_topk(torch.randn(3, 8, requires_grad=True), 2)
+
+
+@not_interpreted
+def test_compiled_equals_eager_with_dynamic_rows():
+    """``torch.compile(fullgraph=True)`` keeps the op as one call through row-count changes."""
+    from torch._inductor.utils import run_and_get_code
+
+    counts = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counts.clear()
+    fn = torch.compile(lambda x: d4.indexer_topk(x * 2, 7) + 1, fullgraph=True)
+    for rows in (3, 5, 9):
+        logits = make_logits(rows, 40)
+        assert torch.equal(fn(logits), expected(logits * 2, 7) + 1)
+    assert counts["stats"]["unique_graphs"] <= 2  # the 0/1 specialisation aside, one dynamic graph
+    torch._dynamo.reset()
+    _, code = run_and_get_code(fn, logits)
+    assert "".join(code).count("torch.ops.dsv4.indexer_topk.default(") == 1
+
+
+@pytest.mark.cuda
+def test_cuda_wider_rows_go_to_the_reference():
+    """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns the reference serves the call (the
+    Triton rule refuses it, with one warning), with the same indices."""
+    from dsv4_compile.kernels import triton_indexer
+
+    logits = make_logits(3, triton_indexer.TOPK_MAX_WIDTH + 1, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = d4.indexer_topk(logits, 600)
+    assert torch.equal(got.cpu(), expected(logits, 600))
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert dispatch.resolve("indexer_topk", device, d4.ops.TopkCall(logits.shape[1]))[0] == "reference"
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay():
+    logits = make_logits(*CASES["dsv4"][:2], device="cuda")
+    before = d4.indexer_topk(logits, 512)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = d4.indexer_topk(logits, 512)
+    logits.neg_()
+    graph.replay()
+    assert torch.equal(out.cpu(), expected(logits, 512))
+    assert not torch.equal(out, before)
