@@ -160,7 +160,7 @@ def untied_rows(layer: DeepseekV4Attention, args: dict) -> torch.Tensor:
     weights; two computations that round those bf16 values differently (eager and Inductor's
     fused kernels) move the logits by up to ~1% (seen on the H200: selections flipped at
     relative gaps of 0.1-0.8% between the ``index_topk``-th logit and the next), and exact ties
-    (e.g. at 0, where every head's ReLU is 0) are broken by ``torch.topk`` as its kernel goes. A
+    (e.g. at 0, where every head's ReLU is 0) go to the lower block (``dsv4::indexer_topk``). A
     ratio-4 row whose gap is within 2^-6 of the ``index_topk``-th logit may select either block.
     ``layer`` is not changed (a twin runs the step)."""
     rows = args["positions"].shape[0]

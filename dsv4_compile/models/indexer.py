@@ -19,8 +19,8 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
 * tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
   logits are all-reduced before the selection, so every rank selects the same blocks.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
-  ``index_topk`` best, in no particular order (ties broken by ``torch.topk``; unsorted, which
-  spares a sort of the candidates on CUDA); ``-1`` pads to the fixed width.
+  ``index_topk`` best (op ``dsv4::indexer_topk``, docs/design.md §2.9: in block order, equal
+  logits to the lower block, the same indices on every provider); ``-1`` pads to the fixed width.
 
 Deviations: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
 before the logits; here both stay float32 (the op scores them in float32, or 3xTF32 on NVIDIA
@@ -110,5 +110,5 @@ class Indexer(nn.Module):
         in_order = torch.where(order < lengths[:, None], order, -1)  # every visible block
         if num_blocks <= self.topk:
             return in_order
-        best = logits.topk(self.topk, dim=-1, sorted=False).indices  # order: free (attention sums any order)
+        best = torch.ops.dsv4.indexer_topk(logits, self.topk)  # in block order; ties to the lower block
         return torch.where(lengths[:, None] <= self.topk, in_order, best)
