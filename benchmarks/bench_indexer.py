@@ -1,6 +1,7 @@
 """The indexer's block logits (``dsv4::indexer_logits``, Triton) against the gather-and-``bmm``
 formula it replaced in the model, on the model's shapes (64 heads x 128 dims, ``max_seq_len``
-4096: 1024 block columns per row).
+4096: 1024 block columns per row); and its selection (``dsv4::indexer_topk``, Triton) against
+``torch.topk(sorted=False)`` (what the model ran before), k = 512.
 
 Cases: decode of 1 and 64 requests whose 1025 tokens make 256 visible blocks each; a prefill
 chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` blocks). Rows:
@@ -13,6 +14,10 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
 * the floor: bytes the op must move (visible keys, queries, weights, slots, logits) at the
   device-to-device copy rate measured in the same run, and its float32 FMAs at the H200's
   67 TFLOP/s (no tensor cores: IEEE float32).
+
+Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
+widths 1024, 4096 and 8192: ``max_seq_len`` 4096, 16384 and 32768); with ``--sweep``, the top-k
+program at 1, 2, 4 and 8 warps.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -59,9 +64,61 @@ def gather_bmm(q, weights, keys, slots):
     return scores.relu().mul(weights[:, :, None]).sum(1).masked_fill(slots < 0, float("-inf"))
 
 
+def logits_case(name, inputs, ours, compiled, rate, sweep, per_graph, results) -> None:
+    """Time the logits op against the gather + ``bmm`` it replaced (``--sweep``: every geometry)."""
+    q, weights, keys, slots = inputs
+    visible = int((slots >= 0).sum())
+    moved = visible * DIM * 4 + q.numel() * 4 + weights.numel() * 4 + slots.numel() * (8 + 4)
+    floor_us = max(moved / rate, 2 * HEADS * DIM * visible / FP32_FLOPS) * 1e6
+    print(f"{name} ...", flush=True)
+    torch.testing.assert_close(ours, compiled(*inputs), rtol=1e-4, atol=1e-3)
+    row = {
+        "tokens": q.shape[0], "visible_blocks": visible, "bytes": moved, "floor_us": floor_us,
+        "triton_us": graph_timed(lambda: d4.indexer_logits(*inputs), per_graph),
+        "gather_bmm_us": graph_timed(lambda: compiled(*inputs), per_graph),
+        "geometry": triton_indexer.geometry(DIM, HEADS),
+    }
+    if sweep:
+        out = torch.empty_like(ours)
+        row["sweep"] = {}
+        for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (4, 8)):
+            launch = lambda: triton_indexer.launch(*inputs, out, (block_n, block_h), warps)  # noqa: E731
+            us = row["sweep"][f"{block_n}x{block_h}/{warps}w"] = graph_timed(launch, per_graph)
+            print(f"   {block_n}x{block_h}/{warps}w {us:.1f} us", flush=True)
+    results["cases"][name] = row
+    print(f"{name}: {row['tokens']} rows, {visible} visible blocks; triton {row['triton_us']:.1f} us, "
+          f"gather+bmm {row['gather_bmm_us']:.1f} us, floor {floor_us:.1f} us "
+          f"({floor_us / row['triton_us']:.0%} of it)")
+    if sweep:
+        best = sorted(row["sweep"].items(), key=lambda kv: kv[1])[:5]
+        print("   fastest geometries:", ", ".join(f"{k} {v:.1f}" for k, v in best))
+
+
+def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, results: dict) -> None:
+    """Time the top-k op against ``torch.topk`` on ``logits``, k = 512 (``--sweep``: warps)."""
+    k = 512
+    got = d4.indexer_topk(logits, k)
+    want = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+    assert torch.equal(got, want), "top-k differs from the stable sort"
+    row = {
+        "rows": logits.shape[0], "width": logits.shape[1], "k": k,
+        "triton_us": graph_timed(lambda: d4.indexer_topk(logits, k), per_graph),
+        "torch_topk_us": graph_timed(lambda: logits.topk(k, dim=1, sorted=False), per_graph),
+        "bytes": logits.numel() * 4 + got.numel() * 8,
+    }
+    if sweep:
+        out = torch.empty_like(got)
+        row["sweep"] = {w: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w), per_graph)
+                        for w in (1, 2, 4, 8)}
+    results.setdefault("topk", {})[name] = row
+    print(f"top-k {name}: triton {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us"
+          + (f"; warps {row['sweep']}" if sweep else ""), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
+    parser.add_argument("--topk-only", action="store_true", help="time only the top-k cases")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rate = copy_rate(torch.device("cuda"))
@@ -69,34 +126,15 @@ def main() -> None:
     results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}
     print(f"copy rate {rate / 1e12:.2f} TB/s")
     for name in ("decode-b1", "decode-b64", "prefill"):
-        q, weights, keys, slots = inputs = case(name)
+        inputs = case(name)
         per_graph = 2 if name == "prefill" else 10
-        visible = int((slots >= 0).sum())
-        moved = visible * DIM * 4 + q.numel() * 4 + weights.numel() * 4 + slots.numel() * (8 + 4)
-        floor_us = max(moved / rate, 2 * HEADS * DIM * visible / FP32_FLOPS) * 1e6
-        print(f"{name} ...", flush=True)
         ours = d4.indexer_logits(*inputs)
-        torch.testing.assert_close(ours, compiled(*inputs), rtol=1e-4, atol=1e-3)
-        row = {
-            "tokens": q.shape[0], "visible_blocks": visible, "bytes": moved, "floor_us": floor_us,
-            "triton_us": graph_timed(lambda: d4.indexer_logits(*inputs), per_graph),
-            "gather_bmm_us": graph_timed(lambda: compiled(*inputs), per_graph),
-            "geometry": triton_indexer.geometry(DIM, HEADS),
-        }
-        if args.sweep:
-            out = torch.empty_like(ours)
-            row["sweep"] = {}
-            for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (4, 8)):
-                launch = lambda: triton_indexer.launch(*inputs, out, (block_n, block_h), warps)  # noqa: E731
-                us = row["sweep"][f"{block_n}x{block_h}/{warps}w"] = graph_timed(launch, per_graph)
-                print(f"   {block_n}x{block_h}/{warps}w {us:.1f} us", flush=True)
-        results["cases"][name] = row
-        print(f"{name}: {row['tokens']} rows, {visible} visible blocks; triton {row['triton_us']:.1f} us, "
-              f"gather+bmm {row['gather_bmm_us']:.1f} us, floor {floor_us:.1f} us "
-              f"({floor_us / row['triton_us']:.0%} of it)")
-        if args.sweep:
-            best = sorted(row["sweep"].items(), key=lambda kv: kv[1])[:5]
-            print("   fastest geometries:", ", ".join(f"{k} {v:.1f}" for k, v in best))
+        if not args.topk_only:
+            logits_case(name, inputs, ours, compiled, rate, args.sweep, per_graph, results)
+        topk_case(f"{name} logits", ours, args.sweep, per_graph, results)
+    for rows, width in itertools.product((1, 64, 8192), (1024, 4096, 8192)):
+        logits = torch.randn(rows, width, device="cuda")
+        topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
