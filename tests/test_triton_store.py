@@ -340,6 +340,22 @@ def test_v41_formats_match_reference(device, kv_format, fused):
     assert int((got[finite] != want[finite]).sum()) <= 2 + live.numel() * 512 // 256
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_v4_plain_store_matches_reference(device):
+    """The V4 quantize-and-store (no norm, no RoPE; ``FUSED=False`` of the V4 kernel): byte-exact
+    against the reference, a NaN token included, bytes outside the written records untouched."""
+    page_size = 5
+    args = list(make_case("cpu", 24, page_size, holes=2))
+    args[0] = args[0].clone()
+    args[0][5, 17] = math.nan
+    kv, slots = args[0].to(device), args[4].to(device)
+    cache = torch.randint(0, 256, (10, layout.page_bytes(page_size) + 3), dtype=torch.uint8).to(device)
+    expected = cache.clone()
+    reference.quantize_store(kv, slots, expected, page_size, "v4")
+    triton_store.quantize_store(kv, slots, cache, page_size, "v4")
+    assert torch.equal(cache, expected)
+
+
 @triton.jit
 def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr, HW: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

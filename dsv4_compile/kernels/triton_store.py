@@ -148,20 +148,23 @@ def _rope_dims(row_ptr, live, weight_ptr, weight_stride, inv, rstd, freqs_ptr, f
     ``freqs[pos] = (c0, s0, c1, s1, ...)``, rounded to bf16 if ``ROUND``; else the input values."""
     r = tl.arange(0, _ROPE_DIM)
     xr = tl.load(row_ptr[:, None] + _NOPE_DIM + r[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    if not FUSED:
-        return xr
-    wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
-    yr = xr * inv[:, None] * rstd[:, None] * wr[None, :]
-    if ROUND:
-        yr = _round_bf16(yr, HW)
-    cs = tl.load(
-        freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1, mask=live[:, None], other=0.0,
-    )
-    a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
-    c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
-    rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
-    if ROUND:
-        rope = _round_bf16(rope, HW)
+    # (one return, after the branches: the compiler, unlike the interpreter, goes on past a return
+    # inside a constexpr branch and would build the fused code for the plain store's operands)
+    if FUSED:
+        wr = tl.load(weight_ptr + (_NOPE_DIM + r) * weight_stride).to(tl.float32)
+        yr = xr * inv[:, None] * rstd[:, None] * wr[None, :]
+        if ROUND:
+            yr = _round_bf16(yr, HW)
+        cs = tl.load(
+            freqs_ptr + pos[:, None] * freqs_stride0 + r[None, :] * freqs_stride1, mask=live[:, None], other=0.0,
+        )
+        a, b = tl.split(tl.reshape(yr, (BLOCK_T, _ROPE_DIM // 2, 2)))
+        c, s = tl.split(tl.reshape(cs, (BLOCK_T, _ROPE_DIM // 2, 2)))
+        rope = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_T, _ROPE_DIM))
+        if ROUND:
+            rope = _round_bf16(rope, HW)
+    else:
+        rope = xr
     return rope
 
 
