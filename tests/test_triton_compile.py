@@ -1,0 +1,162 @@
+"""Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM90), on a machine without one.
+
+The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
+Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
+re-assigned ``constexpr``. Here each provider entry point runs on CPU tensors with its launches
+recorded instead of run. Each recorded launch gives the kernel's signature (tensor dtypes, int
+widths) and its ``constexpr`` values, and ``triton.compile`` builds it for an SM80 and an SM90
+target, through PTX to a cubin, with the ``ptxas`` that Triton ships.
+
+The launches take the choices a GPU of that capability gets: the launch geometries
+(``triton_attention``'s Hopper class or not), 3xTF32 indexer logits, and the fp8 / bf16
+conversion instructions from SM89 on (so SM80 compiles the integer-arithmetic conversions).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, does not interpret")
+
+triton = pytest.importorskip("triton")
+#: The Triton versions whose offline ``triton.compile(ASTSource(...))`` this test drives (the
+#: pinned CI job's and the GPU machine's); on others it skips rather than test the harness.
+CHECKED_TRITON = ("3.6.",)
+if not triton.__version__.startswith(CHECKED_TRITON):
+    pytest.skip(f"the offline compile check drives Triton {CHECKED_TRITON}, not {triton.__version__}",
+                allow_module_level=True)
+
+import dsv4_compile as d4  # noqa: E402
+from dsv4_compile import layout  # noqa: E402
+from dsv4_compile.kernels import flashmla_schedule, triton_attention, triton_common, triton_indexer, triton_store  # noqa: E402
+
+#: Triton's names of the tensor dtypes the kernels take
+POINTER_TYPES = {
+    torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+    torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1",
+}
+OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands in for ``triton_common.eager(kernel)``: ``[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, launches: list, kernel):
+        self.launches, self.kernel = launches, kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def argument_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def specialization(kernel, args, kwargs) -> tuple:
+    """``(signature, constexprs, options)`` of one recorded launch, by the kernel's parameter names."""
+    names = kernel.arg_names
+    unknown = sorted(set(kwargs) - set(names) - set(OPTIONS))
+    assert not unknown, f"{kernel.fn.__name__} has no parameter {unknown}"
+    constexprs = {name: value for name, value in kwargs.items() if name not in OPTIONS}
+    signature = {name: argument_type(value) for name, value in zip(names, args)}
+    signature.update({name: "constexpr" for name in constexprs})
+    missing = [name for name in names if name not in signature]
+    assert not missing, f"{kernel.fn.__name__} launched without {missing}"
+    options = {name: kwargs[name] for name in OPTIONS if name in kwargs}
+    return signature, constexprs, options
+
+
+def calls():
+    """One call of each provider entry point per kernel variant the GPU paths launch (CPU tensors)."""
+    g = torch.Generator().manual_seed(0)
+    bf16 = dict(dtype=torch.bfloat16)
+    for kv_format in layout.FORMATS:
+        cache = layout.alloc_cache(4, 8, "cpu", kv_format=kv_format)
+        kv = torch.randn(5, 512, generator=g, **bf16)
+        slots = torch.arange(5)
+        yield triton_store.fused_k_norm_rope_flashmla, (
+            kv, torch.ones(512, **bf16), torch.randn(16, 64, generator=g), slots, slots, cache, 1e-6, 8, kv_format,
+        )
+        yield triton_store.quantize_store, (kv, slots, cache, 8, kv_format)
+    cache = layout.alloc_cache(4, 64, "cpu")
+    for rows, extra, lengths in ((1, True, True), (64, False, False)):  # split (+ combine) and not
+        q = torch.randn(rows, 1, 64, 512, generator=g, **bf16)
+        idx = torch.randint(0, 256, (rows, 1, 128), dtype=torch.int32, generator=g)
+        length = torch.full((rows,), 100, dtype=torch.int32) if lengths else None
+        yield triton_attention.flash_mla_with_kvcache, (
+            q, cache, 64, idx, length, torch.zeros(64) if lengths else None,
+            cache if extra else None, 64, idx if extra else None, length if extra else None,
+            None, None, 0.05, 512, "v4", "v4.1-fp4" if extra else None,
+        )
+    for dim in (512, 576):
+        kv = torch.randn(300, 1, dim, generator=g, **bf16)
+        idx = torch.randint(0, 300, (7, 1, 128), dtype=torch.int32, generator=g)
+        yield triton_attention.flash_mla_sparse_fwd, (
+            torch.randn(7, 64, dim, generator=g, **bf16), kv, idx, 0.05, 512, torch.zeros(64), torch.full((7,), 90, dtype=torch.int32),
+        )
+    for lengths, extra in ((True, True), (False, False)):
+        length = torch.full((3,), 100, dtype=torch.int32)
+        yield flashmla_schedule.schedule, (
+            length if lengths else None, length if lengths and extra else None, 128, 64 if extra else 0, (132, 8), 3, torch.device("cpu"),
+        )
+    for dim in (128, 200):  # the wide geometry past 128
+        slots = torch.randint(-1, 9, (3, 70), generator=g)
+        yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)
+    for width in (1024, triton_indexer.TOPK_MAX_WIDTH):
+        yield triton_indexer.indexer_topk, (torch.randn(3, width), 512)
+
+
+def recorded_launches(monkeypatch, capability: tuple[int, int]) -> list:
+    """The launches of :func:`calls` as a GPU of ``capability`` makes them."""
+    launches = []
+    recorder = lambda kernel: Recorder(launches, kernel)  # noqa: E731
+    for module in (triton_common, triton_attention):  # triton_attention binds it at import
+        monkeypatch.setattr(module, "eager" if module is triton_common else "_eager", recorder)
+    monkeypatch.setattr(triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed)
+    monkeypatch.setattr(triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10))
+    for entry, args in calls():
+        entry(*args)
+    return launches
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_every_kernel_compiles(monkeypatch, capability, request):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    for module in (triton_store, triton_attention, flashmla_schedule, triton_indexer):
+        module._triton()
+    launches = recorded_launches(monkeypatch, capability)
+    seen, compiled = set(), {}
+    for kernel, args, kwargs in launches:
+        signature, constexprs, options = specialization(kernel, args, kwargs)
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        binary = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32), options=options,
+        )
+        assert binary.asm["cubin"], kernel.fn.__name__
+        compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
+    expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
+                "_schedule_kernel", "_logits_kernel", "_topk_kernel"}
+    assert set(compiled) == expected, compiled
+    from helpers import report
+
+    report(request.config, f"triton compile sm{capability[0]}{capability[1]}: "
+                           + ", ".join(f"{name} x{n}" for name, n in sorted(compiled.items())))
