@@ -23,9 +23,9 @@ import argparse
 
 import torch
 
+from bench_step import slice_config
 from common import graph_timed
 from dsv4_compile import layout
-from dsv4_compile.models import DeepseekV4Config
 from dsv4_compile.models.rope import apply_rope, layer_rope_table, rope_last
 
 R = layout.ROPE_DIM
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     args = parser.parse_args()
     device = torch.device("cuda")
-    table = layer_rope_table(DeepseekV4Config(num_hidden_layers=4, vocab_size=32000), 4, device)
+    table = layer_rope_table(slice_config(), 4, device)
     for tokens in args.tokens:
         pos = torch.randint(0, table.shape[0], (tokens,), device=device)
         x = torch.randn(tokens, args.heads, layout.HEAD_DIM, device=device).to(torch.bfloat16)

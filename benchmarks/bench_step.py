@@ -137,12 +137,18 @@ def compile_kwargs(kwargs: dict, options: dict) -> dict:
     return {**kwargs, "options": merged}
 
 
+def slice_config() -> DeepseekV4Config:
+    """The benchmarks' DSV4-Flash-sized slice of the model: 4 layers (ratios 0, 0, 4, 128), a
+    32000-token vocabulary, DSV4-Flash's widths."""
+    return DeepseekV4Config(num_hidden_layers=4, vocab_size=32000)
+
+
 def build(args, device) -> DeepseekV4Model:
     if args.quick:
         config = tiny_config(intermediate_size=0, compress_ratios=(0, 0, 4, 128), num_hidden_layers=4)
         cache = CacheConfig(max_requests=args.requests, max_seq_len=512, page_size=256)
     else:
-        config = DeepseekV4Config(num_hidden_layers=4, vocab_size=32000)
+        config = slice_config()
         cache = CacheConfig(max_requests=64, max_seq_len=4096, page_size=256)
     return DeepseekV4Model(config, cache, seed=0, device=device)
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from dsv4_compile.generation import Batch, decode_inputs, prefill_prompts, random_prompts
-from dsv4_compile.models import CacheConfig, DeepseekV4Config, DeepseekV4Model, tiny_config
+from dsv4_compile.models import CacheConfig, DeepseekV4Model, tiny_config
 from dsv4_compile.models.parallel import all_reduces_in, torchrun_group
 
-from bench_step import copy_rate, decode_bytes, step_ms, sync  # this directory's benchmark
+from bench_step import copy_rate, decode_bytes, slice_config, step_ms, sync  # this directory's benchmark
 
 MODES = {"default": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
 
@@ -46,7 +46,7 @@ def build(args, device, tp) -> DeepseekV4Model:
         config = tiny_config(compress_ratios=(0, 0, 4, 128), num_hidden_layers=4)
         cache = CacheConfig(max_requests=requests, max_seq_len=512, page_size=256)
     else:
-        config = DeepseekV4Config(num_hidden_layers=4, vocab_size=32000)
+        config = slice_config()
         cache = CacheConfig(max_requests=requests, max_seq_len=2048, page_size=256)
     return DeepseekV4Model(config, cache, seed=0, device=device, tp=tp)
 

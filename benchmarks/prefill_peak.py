@@ -23,7 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dsv4_compile.generation import prefill_prompts, random_prompts
-from dsv4_compile.models import CacheConfig, DeepseekV4Config, DeepseekV4Model
+from dsv4_compile.models import CacheConfig, DeepseekV4Model
+
+from bench_step import slice_config  # this directory's benchmark
 
 
 def model_frames(skip: int = 1) -> list[traceback.FrameSummary]:
@@ -84,7 +86,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    config = DeepseekV4Config(num_hidden_layers=4, vocab_size=32000)
+    config = slice_config()
     model = DeepseekV4Model(config, CacheConfig(max_requests=4, max_seq_len=4096, page_size=256),
                             seed=0, device=args.device)
     existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
