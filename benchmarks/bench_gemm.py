@@ -85,7 +85,8 @@ def splits(groups: int, n: int, block_n: int, depth: int, block_k: int) -> list[
     """1 and the powers of two that give ~2 and ~4 programs per SM, where ``K`` divides evenly."""
     tiles = groups * n // block_n
     wanted = {1, max(1, 2 * SMS // tiles), max(1, 4 * SMS // tiles)}
-    return sorted({1 << (s.bit_length() - 1) for s in wanted if depth % ((1 << (s.bit_length() - 1)) * block_k) == 0})
+    powers = {1 << (s.bit_length() - 1) for s in wanted}  # rounded down to powers of two
+    return sorted(p for p in powers if depth % (p * block_k) == 0)
 
 
 def main() -> None:

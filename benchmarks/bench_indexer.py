@@ -104,7 +104,6 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
         "rows": logits.shape[0], "width": logits.shape[1], "k": k,
         "triton_us": graph_timed(lambda: d4.indexer_topk(logits, k), per_graph),
         "torch_topk_us": graph_timed(lambda: logits.topk(k, dim=1, sorted=False), per_graph),
-        "bytes": logits.numel() * 4 + got.numel() * 8,
     }
     if sweep:
         out = torch.empty_like(got)
