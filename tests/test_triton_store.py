@@ -304,13 +304,20 @@ def format_written_mask(cache, page_size, slots, kv_format):
     return mask
 
 
+#: ``(kv_format, fused)``: every V4.1 store, fused and plain, and the V4 plain store (the V4 fused
+#: store has the tests above)
+FORMAT_CASES = [(f, True) for f in V41] + [(f, False) for f in ["v4", *V41]]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
-@pytest.mark.parametrize("kv_format", V41)
-def test_v41_formats_match_reference(device, kv_format, fused):
-    """V4.1 stores (FP8 / FP4, block-split / interleaved, fused / plain): untouched bytes and NaN
-    tokens exact; the plain store byte-exact (the same fp32 operations); the fused store's values
-    within one code of the reference's (a last-bit difference of the norm can move a bf16 rounding)."""
+@pytest.mark.parametrize(
+    "kv_format, fused", FORMAT_CASES, ids=[f"{f}-{'fused' if fused else 'plain'}" for f, fused in FORMAT_CASES]
+)
+def test_formats_match_reference(device, kv_format, fused):
+    """V4.1 stores (FP8 / FP4, block-split / interleaved, fused / plain) and the V4 plain store:
+    untouched bytes and NaN tokens exact; the plain store byte-exact (the same fp32 operations);
+    the fused store's values within one code of the reference's (a last-bit difference of the norm
+    can move a bf16 rounding)."""
     page_size = 5
     args = list(make_case("cpu", 24, page_size, holes=2))
     args[5] = torch.randint(0, 256, (10, layout.page_bytes(page_size, kv_format) + 3), dtype=torch.uint8)
@@ -338,22 +345,6 @@ def test_v41_formats_match_reference(device, kv_format, fused):
     step = want[finite].abs().amax(-1, keepdim=True) * (2.0**-2 if "fp4" in kv_format else 2.0**-4)
     assert ((got[finite] - want[finite]).abs() <= step).all()
     assert int((got[finite] != want[finite]).sum()) <= 2 + live.numel() * 512 // 256
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_v4_plain_store_matches_reference(device):
-    """The V4 quantize-and-store (no norm, no RoPE; ``FUSED=False`` of the V4 kernel): byte-exact
-    against the reference, a NaN token included, bytes outside the written records untouched."""
-    page_size = 5
-    args = list(make_case("cpu", 24, page_size, holes=2))
-    args[0] = args[0].clone()
-    args[0][5, 17] = math.nan
-    kv, slots = args[0].to(device), args[4].to(device)
-    cache = torch.randint(0, 256, (10, layout.page_bytes(page_size) + 3), dtype=torch.uint8).to(device)
-    expected = cache.clone()
-    reference.quantize_store(kv, slots, expected, page_size, "v4")
-    triton_store.quantize_store(kv, slots, cache, page_size, "v4")
-    assert torch.equal(cache, expected)
 
 
 @triton.jit
