@@ -121,8 +121,8 @@ def recorded_launches(monkeypatch, capability: tuple[int, int]) -> list:
     """The launches of :func:`calls` as a GPU of ``capability`` makes them."""
     launches = []
     recorder = lambda kernel: Recorder(launches, kernel)  # noqa: E731
-    for module in (triton_common, triton_attention):  # triton_attention binds it at import
-        monkeypatch.setattr(module, "eager" if module is triton_common else "_eager", recorder)
+    monkeypatch.setattr(triton_common, "eager", recorder)
+    monkeypatch.setattr(triton_attention, "_eager", recorder)  # bound to triton_common.eager at import
     monkeypatch.setattr(triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed)
     monkeypatch.setattr(triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10))
     for entry, args in calls():

@@ -186,7 +186,8 @@ def launch_topk(logits, k, out, num_warps=TOPK_WARPS) -> None:
         return
     triton_common.eager(_topk_kernel)[(tokens,)](
         logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0],
-        BLOCK=max(256, triton.next_power_of_2(width)), num_warps=num_warps,  # >= the histograms' 256 bins
+        # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
+        BLOCK=max(256, triton.next_power_of_2(width)), num_warps=num_warps,
     )
 
 
