@@ -306,7 +306,7 @@ def format_written_mask(cache, page_size, slots, kv_format):
 
 #: ``(kv_format, fused)``: every V4.1 store, fused and plain, and the V4 plain store (the V4 fused
 #: store has the tests above)
-FORMAT_CASES = [(f, True) for f in V41] + [(f, False) for f in ["v4", *V41]]
+FORMAT_CASES = [(f, fused) for fused in (True, False) for f in ["v4", *V41]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -314,8 +314,8 @@ FORMAT_CASES = [(f, True) for f in V41] + [(f, False) for f in ["v4", *V41]]
     "kv_format, fused", FORMAT_CASES, ids=[f"{f}-{'fused' if fused else 'plain'}" for f, fused in FORMAT_CASES]
 )
 def test_formats_match_reference(device, kv_format, fused):
-    """V4.1 stores (FP8 / FP4, block-split / interleaved, fused / plain) and the V4 plain store:
-    untouched bytes and NaN tokens exact; the plain store byte-exact (the same fp32 operations);
+    """Every format's store (V4, V4.1 FP8 / FP4 block-split / interleaved; fused / plain) at an
+    odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same fp32 operations);
     the fused store's values within one code of the reference's (a last-bit difference of the norm
     can move a bf16 rounding)."""
     page_size = 5

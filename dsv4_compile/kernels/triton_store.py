@@ -231,10 +231,13 @@ def _store_kernel(
     exponent_bytes = tl.where(kk[None, :] < _NUM_TILES, exponent_bytes, 0)
     tl.store(scale_ptr[:, None] + kk[None, :], exponent_bytes.to(tl.uint8), mask=live[:, None])
 
-    code = tl.where(finite[:, None], _bf16_bits(rope, HW), 0x7FC0).to(tl.uint16)
-    rope_ptr = (data_ptr + _NOPE_DIM).to(tl.pointer_type(tl.uint16))  # the GPU's order: little-endian
-    r = tl.arange(0, _ROPE_DIM)
-    tl.store(rope_ptr[:, None] + r[None, :], code, mask=live[:, None])
+    # the bf16 codes as little-endian byte pairs: a page stride need not be even (a 2-byte store
+    # through a cast pointer faults on the GPU at an odd address)
+    code = tl.where(finite[:, None], _bf16_bits(rope, HW), 0x7FC0)
+    pairs = tl.join((code & 0xFF).to(tl.uint8), (code >> 8).to(tl.uint8))  # [BT, 64, 2]
+    b = tl.arange(0, 2 * _ROPE_DIM)
+    tl.store(data_ptr[:, None] + _NOPE_DIM + b[None, :], tl.reshape(pairs, (BLOCK_T, 2 * _ROPE_DIM)),
+             mask=live[:, None])
 
 
 def _e4m3_value(code):
