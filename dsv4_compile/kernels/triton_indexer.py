@@ -40,10 +40,16 @@ NAME = "triton"
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
-#: Widest row the top-k program holds (its keys stay in registers), and its warps: 4 was the fastest,
-#: or within 2% of it, at 1 / 64 / 8192 rows of 1024 columns (benchmarks/RESULTS.md, the indexer's
-#: top-k; wider rows are tested, not yet timed).
-TOPK_MAX_WIDTH, TOPK_WARPS = 8192, 4
+#: Widest row the top-k program holds (its keys stay in registers).
+TOPK_MAX_WIDTH = 8192
+
+
+def topk_warps(block: int) -> int:
+    """Warps of the top-k program over rows of ``block`` (a power of two) columns, a rule from the
+    sweep on the H200 (benchmarks/RESULTS.md, the indexer's top-k; 1 / 64 / 8192 rows): 4 up to 1024
+    columns, 8 up to 4096, 16 beyond (the fastest, or within 2% of it, but at 8192 rows of 1024
+    columns: 4 warps 179 µs, 2 warps 191, 8 warps 221)."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,15 +185,17 @@ def indexer_topk(logits, k):
     return out
 
 
-def launch_topk(logits, k, out, num_warps=TOPK_WARPS) -> None:
-    """Write ``out`` with one launch (none for an empty call); ``num_warps`` for sweeps."""
+def launch_topk(logits, k, out, num_warps=None) -> None:
+    """Write ``out`` with one launch (none for an empty call); ``num_warps`` (for sweeps) replaces
+    :func:`topk_warps`."""
     tokens, width = logits.shape
     if tokens == 0 or k == 0:
         return
+    # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
+    block = max(256, triton.next_power_of_2(width))
     triton_common.eager(_topk_kernel)[(tokens,)](
         logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0],
-        # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
-        BLOCK=max(256, triton.next_power_of_2(width)), num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps or topk_warps(block),
     )
 
 
