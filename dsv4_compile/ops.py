@@ -195,12 +195,6 @@ class DecodeCall(NamedTuple):
     extra_kv_format: str | None
 
 
-class TopkCall(NamedTuple):
-    """What a provider's rule may look at in a top-k call."""
-
-    width: int
-
-
 class NoCall(NamedTuple):
     """Ops whose providers have no per-call rule."""
 
@@ -219,7 +213,7 @@ CALLS = {
     "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
     "get_mla_metadata": (NoCall, lambda a: ()),
     "indexer_logits": (NoCall, lambda a: ()),
-    "indexer_topk": (TopkCall, lambda a: (a[0].shape[1],)),
+    "indexer_topk": (NoCall, lambda a: ()),
 }
 
 #: The inputs of each op that could require grad (floating point), as ``(position, name)``.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ if INTERPRETED:
     patch_triton_interpreter()
 
 import dsv4_compile as d4  # noqa: E402
-from dsv4_compile import dispatch  # noqa: E402
 from dsv4_compile.kernels import reference  # noqa: E402
 
 TRITON_DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -113,6 +111,26 @@ def test_triton_against_stable_sort(case, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("case", ["dsv4", "odd", "all", "one"])
+def test_triton_looped_program_against_stable_sort(case, device):
+    """The program for rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, read 256 columns
+    at a time here (several chunks, a partial last one, a row within one chunk), and on a strided
+    row: the same indices."""
+    from dsv4_compile.kernels import triton_indexer
+
+    rows, width, k = CASES[case]
+    logits = make_logits(rows, width, device)
+    out = torch.empty(rows, k, dtype=torch.int64, device=device)
+    triton_indexer.launch_topk(logits, k, out, chunk=256)
+    assert torch.equal(out.cpu(), expected(logits, k))
+    wide = torch.full((rows, 2 * width), float("nan"), device=device)
+    wide[:, ::2] = logits
+    out.fill_(-1)
+    triton_indexer.launch_topk(wide[:, ::2], k, out, chunk=256)
+    assert torch.equal(out.cpu(), expected(logits, k))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_takes_strided_rows(device):
     """Every other column of a wider table whose other columns hold NaN (which would rank first)."""
     logits = make_logits(*CASES["odd"][:2])
@@ -178,18 +196,14 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 
 @pytest.mark.cuda
-def test_cuda_wider_rows_go_to_the_reference():
-    """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns the reference serves the call (the
-    Triton rule refuses it, with one warning), with the same indices."""
+def test_cuda_wide_rows_take_the_looped_program():
+    """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns (``max_seq_len`` past 32768 at
+    ratio 4) the Triton provider still serves the call, in chunks: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
-    logits = make_logits(3, triton_indexer.TOPK_MAX_WIDTH + 1, "cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = d4.indexer_topk(logits, 600)
-    assert torch.equal(got.cpu(), expected(logits, 600))
-    device = torch.device("cuda", torch.cuda.current_device())
-    assert dispatch.resolve("indexer_topk", device, d4.ops.TopkCall(logits.shape[1]))[0] == "reference"
+    for width in (triton_indexer.TOPK_MAX_WIDTH + 1, 5 * triton_indexer.TOPK_CHUNK + 77):
+        logits = make_logits(3, width, "cuda")
+        assert torch.equal(triton_topk(logits, 600).cpu(), expected(logits, 600))
 
 
 @pytest.mark.cuda

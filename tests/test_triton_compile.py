@@ -113,7 +113,8 @@ def calls():
     for dim in (128, 200):  # the wide geometry past 128
         slots = torch.randint(-1, 9, (3, 70), generator=g)
         yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)
-    for width in (1024, 4096, triton_indexer.TOPK_MAX_WIDTH):  # 4, 8 and 16 warps
+    # 4, 8 and 16 warps in registers, then the looped program
+    for width in (1024, 4096, triton_indexer.TOPK_MAX_WIDTH, triton_indexer.TOPK_MAX_WIDTH + 1):
         yield triton_indexer.indexer_topk, (torch.randn(3, width), 512)
 
 
@@ -154,7 +155,7 @@ def test_every_kernel_compiles(monkeypatch, capability, request):
         assert binary.asm["cubin"], kernel.fn.__name__
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-                "_schedule_kernel", "_logits_kernel", "_topk_kernel"}
+                "_schedule_kernel", "_logits_kernel", "_topk_kernel", "_topk_looped_kernel"}
     assert set(compiled) == expected, compiled
     from helpers import report
 

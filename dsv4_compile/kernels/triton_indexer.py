@@ -19,8 +19,8 @@ The top-k (docs/design.md §2.9): one program per row holds the row's values in 
 word), finds the ``k``-th largest a byte at a time (four 256-bin histograms of the keys that share
 the bytes found so far: a radix select), then writes every column above it and the first columns
 equal to it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
-several. Rows wider than :data:`TOPK_MAX_WIDTH` go to the next provider (the reference: the same
-indices).
+several. Rows wider than :data:`TOPK_MAX_WIDTH` (a long ``max_seq_len``) take the same steps in a
+program that reads the row in chunks: four histogram passes, then one pass that writes.
 
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
@@ -40,8 +40,10 @@ NAME = "triton"
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
-#: Widest row the top-k program holds (its keys stay in registers).
-TOPK_MAX_WIDTH = 8192
+#: Widest row the top-k program holds in registers; wider rows are read in chunks of
+#: :data:`TOPK_CHUNK` columns by a program of :data:`TOPK_CHUNK_WARPS` warps (the in-register
+#: program's best geometry at that width; the looped program itself not yet timed).
+TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS = 8192, 4096, 8
 
 
 def topk_warps(block: int) -> int:
@@ -94,34 +96,46 @@ def _logits_kernel(
     tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
 
 
+def _topk_key(x):
+    """32-bit unsigned keys in the op's order of float32 ``x``: one NaN (above ``+inf``), ``-0.0``
+    as ``0.0``."""
+    x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float order (signed)
+    return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
+
+
+def _topk_digit(count, need, prefix, shift: tl.constexpr):
+    """One radix step: of the candidates' histogram ``count`` over the byte at ``shift``, the
+    bucket that holds the ``need``-th largest; returns ``prefix`` with that byte set and what is
+    left to take in it."""
+    bins = tl.arange(0, 256)
+    above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0)  # candidates in higher buckets
+    hit = (above < need) & (above + count >= need)  # exactly one bucket
+    chosen = tl.sum(tl.where(hit, bins, 0), axis=0)
+    need -= tl.sum(tl.where(hit, above, 0), axis=0)
+    return prefix | (chosen.to(tl.uint32) << shift), need
+
+
 def _topk_kernel(
     x_ptr, out_ptr, width, k, x_t, x_m, out_t,
     BLOCK: tl.constexpr,
 ):
+    """A row of at most ``BLOCK`` columns, held in registers."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < width
-    x = tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0)
-    x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))  # one NaN; -0.0 as 0.0
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float order (signed)
-    key = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
+    key = _topk_key(tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0))
     # the k-th largest key, a byte at a time from the top: the byte whose bucket holds it among
     # the keys that share the bytes found so far, and how many of them are still to take
-    bins = tl.arange(0, 256)
     prefix = tl.zeros([], tl.uint32)
     need = k
     candidate = in_row
     for i in tl.static_range(4):
         shift = 24 - 8 * i
         digit = ((key >> shift) & 255).to(tl.int32)
-        count = tl.histogram(digit, 256, mask=candidate)
-        above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0)  # candidates in higher buckets
-        hit = (above < need) & (above + count >= need)  # exactly one bucket
-        chosen = tl.sum(tl.where(hit, bins, 0), axis=0)
-        need -= tl.sum(tl.where(hit, above, 0), axis=0)
-        candidate = candidate & (digit == chosen)
-        prefix = prefix | (chosen.to(tl.uint32) << shift)
+        prefix, need = _topk_digit(tl.histogram(digit, 256, mask=candidate), need, prefix, shift)
+        candidate = candidate & (digit == ((prefix >> shift) & 255).to(tl.int32))
     # every key above it, and the first `need` equal to it in column order; written in column order
     equal = in_row & (key == prefix)
     take = (in_row & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= need))
@@ -129,7 +143,44 @@ def _topk_kernel(
     tl.store(out_ptr + t * out_t + slot, cols.to(tl.int64), mask=take)
 
 
-_JITTED = ("_logits_kernel", "_topk_kernel")
+def _topk_looped_kernel(
+    x_ptr, out_ptr, width, k, x_t, x_m, out_t,
+    CHUNK: tl.constexpr,
+):
+    """A row of any width, read ``CHUNK`` columns at a time: four histogram passes (one per byte
+    of the k-th largest key), then one pass that writes the selection in column order."""
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * x_t
+    prefix = tl.zeros([], tl.uint32)
+    need = k
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        count = tl.zeros([256], tl.int32)
+        for c0 in range(0, width, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            in_row = cols < width
+            key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
+            candidate = in_row
+            if i > 0:  # the keys that share the bytes found so far
+                candidate = candidate & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            count += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=candidate)
+        prefix, need = _topk_digit(count, need, prefix, shift)
+    taken = 0  # columns written so far
+    equal_seen = 0  # keys equal to the k-th largest seen so far
+    for c0 in range(0, width, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        in_row = cols < width
+        key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
+        equal = in_row & (key == prefix)
+        rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)
+        take = (in_row & (key > prefix)) | (equal & (rank <= need))
+        slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + t * out_t + slot, cols.to(tl.int64), mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+
+
+_JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_kernel", "_topk_looped_kernel")
 
 
 def _triton():
@@ -176,8 +227,8 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
 
 
 def indexer_topk(logits, k):
-    """``dsv4::indexer_topk`` (eager) on validated arguments at most :data:`TOPK_MAX_WIDTH`
-    columns wide: one launch (none for an empty call), no host sync."""
+    """``dsv4::indexer_topk`` (eager) on validated arguments: one launch (none for an empty call),
+    no host sync."""
     _triton()
     out = ops.indexer_topk_output(logits, k)
     with triton_common.device_guard(logits.device):
@@ -185,24 +236,23 @@ def indexer_topk(logits, k):
     return out
 
 
-def launch_topk(logits, k, out, num_warps=None) -> None:
-    """Write ``out`` with one launch (none for an empty call); ``num_warps`` (for sweeps) replaces
-    :func:`topk_warps`."""
+def launch_topk(logits, k, out, num_warps=None, chunk=None) -> None:
+    """Write ``out`` with one launch (none for an empty call): rows of at most
+    :data:`TOPK_MAX_WIDTH` columns in registers (:func:`topk_warps`), wider ones, or any with
+    ``chunk`` (for tests and sweeps), ``chunk`` columns at a time; ``num_warps`` (for sweeps)
+    replaces the rule's."""
     tokens, width = logits.shape
     if tokens == 0 or k == 0:
         return
-    # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
-    block = max(256, triton.next_power_of_2(width))
-    triton_common.eager(_topk_kernel)[(tokens,)](
-        logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0],
-        BLOCK=block, num_warps=num_warps or topk_warps(block),
-    )
-
-
-#: The top-k program's condition on a call.
-TOPK_RULE = dispatch.Rule(
-    f"logits at most {TOPK_MAX_WIDTH} columns wide", lambda device, call: call.width <= TOPK_MAX_WIDTH
-)
+    args = (logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0])
+    if chunk is None and width <= TOPK_MAX_WIDTH:
+        # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
+        block = max(256, triton.next_power_of_2(width))
+        triton_common.eager(_topk_kernel)[(tokens,)](*args, BLOCK=block, num_warps=num_warps or topk_warps(block))
+    else:
+        triton_common.eager(_topk_looped_kernel)[(tokens,)](
+            *args, CHUNK=chunk or TOPK_CHUNK, num_warps=num_warps or TOPK_CHUNK_WARPS,
+        )
 
 
 def precision(device: torch.device) -> str:
@@ -223,7 +273,7 @@ def register() -> None:
     """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
-            NAME, device_type, load, ops=(OP, TOPK), fallback=True, rules={TOPK: TOPK_RULE},
+            NAME, device_type, load, ops=(OP, TOPK), fallback=True,
         ))
 
 
