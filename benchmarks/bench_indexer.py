@@ -16,8 +16,9 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
   67 TFLOP/s (no tensor cores: IEEE float32).
 
 Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
-widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768); with ``--sweep``, the top-k
-program at 2, 4, 8 and 16 warps.
+widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
+32768 columns, past the in-register program); with ``--sweep``, the top-k program at 2, 4, 8 and 16
+warps, and the looped one (``TOPK_CHUNK`` columns at a time) on the same rows.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -109,9 +110,13 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
         out = torch.empty_like(got)
         row["sweep"] = {w: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w), per_graph)
                         for w in (2, 4, 8, 16)}
+        # the looped program (rows past TOPK_MAX_WIDTH) at the widths the in-register one takes too
+        row["looped"] = graph_timed(
+            lambda: triton_indexer.launch_topk(logits, k, out, chunk=triton_indexer.TOPK_CHUNK), per_graph
+        )
     results.setdefault("topk", {})[name] = row
     print(f"top-k {name}: triton {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us"
-          + (f"; warps {row['sweep']}" if sweep else ""), flush=True)
+          + (f"; warps {row['sweep']}; looped {row['looped']:.1f} us" if sweep else ""), flush=True)
 
 
 def main() -> None:
@@ -131,7 +136,7 @@ def main() -> None:
         if not args.topk_only:
             logits_case(name, inputs, ours, compiled, rate, args.sweep, per_graph, results)
         topk_case(f"{name} logits", ours, args.sweep, per_graph, results)
-    for rows, width in itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)):
+    for rows, width in [*itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]:
         logits = torch.randn(rows, width, device="cuda")
         topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results)
     if args.json:
