@@ -48,9 +48,9 @@ TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS = 8192, 4096, 8
 
 def topk_warps(block: int) -> int:
     """Warps of the top-k program over rows of ``block`` (a power of two) columns, a rule from the
-    sweep on the H200 (benchmarks/RESULTS.md, the indexer's top-k; 1 / 64 / 8192 rows): 4 up to 1024
-    columns, 8 up to 4096, 16 beyond (the fastest, or within 2% of it, but at 8192 rows of 1024
-    columns: 4 warps 179 µs, 2 warps 191, 8 warps 221)."""
+    sweep on the H200 (benchmarks/RESULTS.md, the indexer's top-k on wide rows): 4 up to 1024
+    columns, 8 up to 4096, 16 beyond; the fastest, or within 5% of it, at 1, 64 and 8192 rows of
+    every width measured (1024 to 8192)."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
