@@ -304,8 +304,7 @@ def format_written_mask(cache, page_size, slots, kv_format):
     return mask
 
 
-#: ``(kv_format, fused)``: every V4.1 store, fused and plain, and the V4 plain store (the V4 fused
-#: store has the tests above)
+#: ``(kv_format, fused)``: every format's store, fused and plain
 FORMAT_CASES = [(f, fused) for fused in (True, False) for f in ["v4", *V41]]
 
 
@@ -315,8 +314,8 @@ FORMAT_CASES = [(f, fused) for fused in (True, False) for f in ["v4", *V41]]
 )
 def test_formats_match_reference(device, kv_format, fused):
     """Every format's store (V4, V4.1 FP8 / FP4 block-split / interleaved; fused / plain) at an
-    odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same fp32 operations);
-    the fused store's values within one code of the reference's (a last-bit difference of the norm
+    odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same
+    fp32 operations); the fused store's values within one code of the reference's (a last-bit difference of the norm
     can move a bf16 rounding)."""
     page_size = 5
     args = list(make_case("cpu", 24, page_size, holes=2))
