@@ -18,7 +18,8 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
 Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
 widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
 32768 columns, past the in-register program); with ``--sweep``, the top-k program at 2, 4, 8 and 16
-warps, and the looped one (``TOPK_CHUNK`` columns at a time) on the same rows.
+warps, and the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of 2048
+columns or more.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -110,13 +111,15 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
         out = torch.empty_like(got)
         row["sweep"] = {w: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w), per_graph)
                         for w in (2, 4, 8, 16)}
-        # the looped program (rows past TOPK_MAX_WIDTH) at the widths the in-register one takes too
-        row["looped"] = graph_timed(
-            lambda: triton_indexer.launch_topk(logits, k, out, chunk=triton_indexer.TOPK_CHUNK), per_graph
-        )
+        # the looped program (rows past TOPK_MAX_WIDTH; here also at the widths the in-register one
+        # takes, from 2048 columns), by chunk and warps
+        row["looped"] = {
+            f"{chunk}/{w}w": graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w, chunk), per_graph)
+            for chunk, w in itertools.product((1024, 2048, 4096), (4, 8))
+        } if logits.shape[1] >= 2048 else {}
     results.setdefault("topk", {})[name] = row
     print(f"top-k {name}: triton {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us"
-          + (f"; warps {row['sweep']}; looped {row['looped']:.1f} us" if sweep else ""), flush=True)
+          + (f"; warps {row['sweep']}; looped (chunk/warps) {row['looped']}" if sweep else ""), flush=True)
 
 
 def main() -> None:
