@@ -117,6 +117,18 @@ def _topk_digit(count, need, prefix, shift: tl.constexpr):
     return prefix | (chosen.to(tl.uint32) << shift), need
 
 
+def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen):
+    """Write the columns of ``key`` above ``prefix`` (the ``k``-th largest key) and those equal to
+    it up to the ``need``-th, counting ``equal_seen`` equal ones before these, in column order after
+    the ``taken`` already written; return both counts with these columns'."""
+    equal = in_row & (key == prefix)
+    rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)
+    take = (in_row & (key > prefix)) | (equal & (rank <= need))
+    slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot, cols.to(tl.int64), mask=take)
+    return taken + tl.sum(take.to(tl.int32), axis=0), equal_seen + tl.sum(equal.to(tl.int32), axis=0)
+
+
 def _topk_kernel(
     x_ptr, out_ptr, width, k, x_t, x_m, out_t,
     BLOCK: tl.constexpr,
@@ -137,10 +149,7 @@ def _topk_kernel(
         prefix, need = _topk_digit(tl.histogram(digit, 256, mask=candidate), need, prefix, shift)
         candidate = candidate & (digit == ((prefix >> shift) & 255).to(tl.int32))
     # every key above it, and the first `need` equal to it in column order; written in column order
-    equal = in_row & (key == prefix)
-    take = (in_row & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= need))
-    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + t * out_t + slot, cols.to(tl.int64), mask=take)
+    _topk_write(out_ptr + t * out_t, key, cols, in_row, prefix, need, 0, 0)
 
 
 def _topk_looped_kernel(
@@ -171,16 +180,10 @@ def _topk_looped_kernel(
         cols = c0 + tl.arange(0, CHUNK)
         in_row = cols < width
         key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
-        equal = in_row & (key == prefix)
-        rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)
-        take = (in_row & (key > prefix)) | (equal & (rank <= need))
-        slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + t * out_t + slot, cols.to(tl.int64), mask=take)
-        taken += tl.sum(take.to(tl.int32), axis=0)
-        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+        taken, equal_seen = _topk_write(out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen)
 
 
-_JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_kernel", "_topk_looped_kernel")
+_JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_write", "_topk_kernel", "_topk_looped_kernel")
 
 
 def _triton():
