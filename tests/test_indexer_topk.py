@@ -5,7 +5,8 @@ graphs.
 The op's choice is exact (no rounding), so every provider must return the same indices bit for
 bit: that is what these tests compare. The expected indices are the first ``k`` of
 ``torch.sort(descending=True, stable=True)`` on CPU (which orders ``-0.0`` as ``0.0`` and every NaN
-above ``+inf``, as the op does), in ascending order, not either provider's output. Where the Triton kernel runs: as in ``test_indexer_logits.py``.
+above ``+inf``, as the op does), in ascending order, not either provider's output. Where the
+Triton kernel runs: as in ``test_indexer_logits.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def make_logits(rows, width, device="cpu"):
     if width > 20:
         x[0, 9], x[0, 13], x[1, 2] = float("nan"), -float("nan"), float("inf")
     return x.to(device)
+
+
+def strided(logits):
+    """``logits`` as every other column of a table twice as wide whose other columns hold NaN
+    (which would rank first if read)."""
+    wide = torch.full((logits.shape[0], 2 * logits.shape[1]), float("nan"), device=logits.device)
+    wide[:, ::2] = logits
+    return wide[:, ::2]
 
 
 def expected(logits, k):
@@ -118,25 +127,22 @@ def test_triton_looped_program_against_stable_sort(case, device):
     row: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
+    triton_indexer._triton()  # (the launcher takes the jitted kernels the op's entry point makes)
     rows, width, k = CASES[case]
     logits = make_logits(rows, width, device)
     out = torch.empty(rows, k, dtype=torch.int64, device=device)
     triton_indexer.launch_topk(logits, k, out, chunk=256)
     assert torch.equal(out.cpu(), expected(logits, k))
-    wide = torch.full((rows, 2 * width), float("nan"), device=device)
-    wide[:, ::2] = logits
     out.fill_(-1)
-    triton_indexer.launch_topk(wide[:, ::2], k, out, chunk=256)
+    triton_indexer.launch_topk(strided(logits), k, out, chunk=256)
     assert torch.equal(out.cpu(), expected(logits, k))
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_takes_strided_rows(device):
-    """Every other column of a wider table whose other columns hold NaN (which would rank first)."""
-    logits = make_logits(*CASES["odd"][:2])
-    wide = torch.full((logits.shape[0], 2 * logits.shape[1]), float("nan"))
-    wide[:, ::2] = logits
-    assert torch.equal(triton_topk(wide.to(device)[:, ::2], 5).cpu(), expected(logits, 5))
+    """Every other column of a wider table (:func:`strided`)."""
+    logits = make_logits(*CASES["odd"][:2], device)
+    assert torch.equal(triton_topk(strided(logits), 5).cpu(), expected(logits, 5))
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -196,14 +202,18 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 
 @pytest.mark.cuda
-def test_cuda_wide_rows_take_the_looped_program():
+def test_cuda_wide_rows_take_the_looped_program(monkeypatch):
     """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns (``max_seq_len`` past 32768 at
-    ratio 4) the Triton provider still serves the call, in chunks: the same indices."""
-    from dsv4_compile.kernels import triton_indexer
+    ratio 4) the Triton provider still serves the call, with the looped program: the same indices."""
+    from dsv4_compile.kernels import triton_common, triton_indexer
 
-    for width in (triton_indexer.TOPK_MAX_WIDTH + 1, 5 * triton_indexer.TOPK_CHUNK + 77):
+    launched, eager = [], triton_common.eager
+    monkeypatch.setattr(triton_common, "eager", lambda kernel: launched.append(kernel.fn.__name__) or eager(kernel))
+    widths = (triton_indexer.TOPK_MAX_WIDTH + 1, 5 * triton_indexer.TOPK_CHUNK + 77)
+    for width in widths:
         logits = make_logits(3, width, "cuda")
         assert torch.equal(triton_topk(logits, 600).cpu(), expected(logits, 600))
+    assert launched == ["_topk_looped_kernel"] * len(widths)
 
 
 @pytest.mark.cuda

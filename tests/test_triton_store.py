@@ -315,8 +315,8 @@ FORMAT_CASES = [(f, fused) for fused in (True, False) for f in ["v4", *V41]]
 def test_formats_match_reference(device, kv_format, fused):
     """Every format's store (V4, V4.1 FP8 / FP4 block-split / interleaved; fused / plain) at an
     odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same
-    fp32 operations); the fused store's values within one code of the reference's (a last-bit difference of the norm
-    can move a bf16 rounding)."""
+    fp32 operations); the fused store's values within one code of the reference's (a last-bit
+    difference of the norm can move a bf16 rounding)."""
     page_size = 5
     args = list(make_case("cpu", 24, page_size, holes=2))
     args[5] = torch.randint(0, 256, (10, layout.page_bytes(page_size, kv_format) + 3), dtype=torch.uint8)
