@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from bench_step import copy_rate
-from common import timed
+from common import graph_timed
 
 SHAPES = {  # name: (G, N, K)
     "lm_head": (1, 32000, 4096), "wq_b": (1, 32768, 1024), "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192),
@@ -70,15 +70,12 @@ def triton_gemm(x, w, out, block_n, block_k, split, stages):
 
 
 def graph_us(calls) -> float:
-    """µs per call of ``calls`` replayed in one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """µs per call of ``calls`` replayed in one CUDA graph (median of 7 runs of 10 replays)."""
+    def each():
         for c in calls:
             c()
-    return timed(graph.replay, calls=10) / len(calls)
+
+    return graph_timed(each, per_graph=1, replays=10) / len(calls)
 
 
 def splits(groups: int, n: int, block_n: int, depth: int, block_k: int) -> list[int]:

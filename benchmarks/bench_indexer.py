@@ -18,8 +18,8 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
 Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
 widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
 32768 columns, past the in-register program); with ``--sweep``, the top-k program at 2, 4, 8 and 16
-warps, and the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of 2048
-columns or more.
+warps (at 32768 columns: the looped one, ``TOPK_CHUNK`` columns at a time), and the looped one
+(1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of 2048 columns or more.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
