@@ -139,6 +139,31 @@ def test_triton_looped_program_against_stable_sort(case, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("rows, width, k", [(3, 5000, 60), (4, 700, 64), (2, 4096, 1), (5, 37, 5)],
+                         ids=["three-steps", "short-last-piece", "k1", "one-piece"])
+def test_triton_split_program_against_stable_sort(rows, width, k, device):
+    """The program for few rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, by 256-column
+    pieces here: three steps with a last piece narrower than ``k`` (5000 columns: 1200, then 300
+    candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
+    (the first ``k`` columns, whatever the pieces); a strided row: the same indices."""
+    from dsv4_compile.kernels import triton_indexer
+
+    triton_indexer._triton()
+    logits = make_logits(rows, width, device)
+    logits[-1] = 0.0
+    out = torch.empty(rows, k, dtype=torch.int64, device=device)
+    triton_indexer.launch_topk(logits, k, out, chunk=256, program="split")
+    assert torch.equal(out.cpu(), expected(logits, k))
+    assert out[-1].tolist() == list(range(k))
+    out.fill_(-1)
+    triton_indexer.launch_topk(strided(logits), k, out, chunk=256, program="split")
+    assert torch.equal(out.cpu(), expected(logits, k))
+    with pytest.raises(ValueError, match="4 k <= chunk"):
+        triton_indexer.launch_topk(logits, 65, torch.empty(rows, 65, dtype=torch.int64, device=device),
+                                   chunk=256, program="split")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_takes_strided_rows(device):
     """Every other column of a wider table (:func:`strided`)."""
     logits = make_logits(*CASES["odd"][:2], device)
@@ -202,18 +227,23 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 
 @pytest.mark.cuda
-def test_cuda_wide_rows_take_the_looped_program(monkeypatch):
+def test_cuda_wide_rows_take_the_rules_program(monkeypatch):
     """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns (``max_seq_len`` past 32768 at
-    ratio 4) the Triton provider still serves the call, with the looped program: the same indices."""
+    ratio 4) the Triton provider still serves the call: by pieces for few rows (two launches each
+    here), with the looped program for more rows or a ``k`` past a quarter of a piece: the same
+    indices."""
     from dsv4_compile.kernels import triton_common, triton_indexer
 
     launched, eager = [], triton_common.eager
     monkeypatch.setattr(triton_common, "eager", lambda kernel: launched.append(kernel.fn.__name__) or eager(kernel))
-    widths = (triton_indexer.TOPK_MAX_WIDTH + 1, 5 * triton_indexer.TOPK_CHUNK + 77)
-    for width in widths:
-        logits = make_logits(3, width, "cuda")
-        assert torch.equal(triton_topk(logits, 600).cpu(), expected(logits, 600))
-    assert launched == ["_topk_looped_kernel"] * len(widths)
+    wide, chunk, many = triton_indexer.TOPK_MAX_WIDTH + 1, triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_SPLIT_ROWS + 1
+    for rows, width, k, program in [(3, wide, 600, "split"), (3, 5 * chunk + 77, 600, "split"),
+                                    (many, wide, 600, "looped"), (3, wide, chunk // 4 + 1, "looped")]:
+        launched.clear()
+        assert triton_indexer.topk_program(rows, width, k) == program
+        logits = make_logits(rows, width, "cuda")
+        assert torch.equal(triton_topk(logits, k).cpu(), expected(logits, k))
+        assert launched == (["_topk_kernel"] * 2 if program == "split" else ["_topk_looped_kernel"])
 
 
 @pytest.mark.cuda

@@ -19,8 +19,10 @@ The top-k (docs/design.md §2.9): one program per row holds the row's values in 
 word), finds the ``k``-th largest a byte at a time (four 256-bin histograms of the keys that share
 the bytes found so far: a radix select), then writes every column above it and the first columns
 equal to it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
-several. Rows wider than :data:`TOPK_MAX_WIDTH` (a long ``max_seq_len``) take the same steps in a
-program that reads the row in chunks: four histogram passes, then one pass that writes.
+several. Rows wider than :data:`TOPK_MAX_WIDTH` (a long ``max_seq_len``; :func:`topk_program`):
+few rows by pieces, each piece's top ``k`` selected in parallel by the same program, then the top
+``k`` of those candidates (:func:`_launch_split`); many rows by a program per row that reads it
+in chunks: four histogram passes, then one pass that writes.
 
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
@@ -40,10 +42,12 @@ NAME = "triton"
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
-#: Widest row the top-k program holds in registers; wider rows are read in chunks of
-#: :data:`TOPK_CHUNK` columns by a program of :data:`TOPK_CHUNK_WARPS` warps (the in-register
-#: program's best geometry at that width; the looped program itself not yet timed).
-TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS = 8192, 4096, 8
+#: Widest row the top-k program holds in registers. Wider rows (:func:`topk_program`): up to
+#: :data:`TOPK_SPLIT_ROWS` rows, by :data:`TOPK_CHUNK`-column pieces selected in parallel
+#: (:func:`_launch_split`); more rows, by a program per row that reads it :data:`TOPK_CHUNK` columns
+#: at a time with :data:`TOPK_CHUNK_WARPS` warps (the fastest of the sweep on the H200 at 4096 to
+#: 32768 columns: benchmarks/RESULTS.md).
+TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS, TOPK_SPLIT_ROWS = 8192, 4096, 8, 64
 
 
 def topk_warps(block: int) -> int:
@@ -117,31 +121,50 @@ def _topk_digit(count, need, prefix, shift: tl.constexpr):
     return prefix | (chosen.to(tl.uint32) << shift), need
 
 
-def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen):
+def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key_row, KEYS_OUT: tl.constexpr):
     """Write the columns of ``key`` above ``prefix`` (the ``k``-th largest key) and those equal to
     it up to the ``need``-th, counting ``equal_seen`` equal ones before these, in column order after
-    the ``taken`` already written; return both counts with these columns'."""
+    the ``taken`` already written (with ``KEYS_OUT`` their keys too, at the same places of
+    ``key_row``); return both counts with these columns'."""
     equal = in_row & (key == prefix)
     rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)
     take = (in_row & (key > prefix)) | (equal & (rank <= need))
     slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_row + slot, cols.to(tl.int64), mask=take)
+    tl.store(out_row + slot, cols.to(out_row.dtype.element_ty), mask=take)
+    if KEYS_OUT:
+        tl.store(key_row + slot, key.to(tl.int32, bitcast=True), mask=take)
     return taken + tl.sum(take.to(tl.int32), axis=0), equal_seen + tl.sum(equal.to(tl.int32), axis=0)
 
 
 def _topk_kernel(
-    x_ptr, out_ptr, width, k, x_t, x_m, out_t,
-    BLOCK: tl.constexpr,
+    x_ptr, col_ptr, out_ptr, key_out_ptr, width, k, x_t, x_m, out_t,
+    BLOCK: tl.constexpr, KEYS_IN: tl.constexpr, KEYS_OUT: tl.constexpr,
 ):
-    """A row of at most ``BLOCK`` columns, held in registers."""
+    """A row of at most ``BLOCK`` columns, held in registers. With ``KEYS_IN`` the row is a
+    candidate list (32-bit keys at ``x_ptr``, their columns at ``col_ptr``, both ``[T, width]`` of
+    row stride ``x_t``) instead of float32 logits. With ``KEYS_OUT`` a program takes the
+    ``BLOCK``-column piece ``program_id(1)`` of its row and writes the columns and keys of the
+    piece's top ``min(k, its width)`` at ``piece * k`` of ``out_ptr`` / ``key_out_ptr`` (row stride
+    ``out_t``): a candidate list, in column order, for the next step."""
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < width
-    key = _topk_key(tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0))
-    # the k-th largest key, a byte at a time from the top: the byte whose bucket holds it among
+    if KEYS_IN:
+        key = tl.load(x_ptr + t * x_t + cols, mask=in_row, other=0).to(tl.uint32, bitcast=True)
+        index = tl.load(col_ptr + t * x_t + cols, mask=in_row, other=0)
+    else:
+        key = _topk_key(tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0))
+        index = cols
+    out_row = out_ptr + t * out_t
+    key_row = key_out_ptr + t * out_t
+    need = k
+    if KEYS_OUT:
+        out_row += tl.program_id(1) * k
+        key_row += tl.program_id(1) * k
+        need = tl.minimum(k, width - tl.program_id(1) * BLOCK)
+    # the need-th largest key, a byte at a time from the top: the byte whose bucket holds it among
     # the keys that share the bytes found so far, and how many of them are still to take
     prefix = tl.zeros([], tl.uint32)
-    need = k
     candidate = in_row
     for i in tl.static_range(4):
         shift = 24 - 8 * i
@@ -149,7 +172,7 @@ def _topk_kernel(
         prefix, need = _topk_digit(tl.histogram(digit, 256, mask=candidate), need, prefix, shift)
         candidate = candidate & (digit == ((prefix >> shift) & 255).to(tl.int32))
     # every key above it, and the first `need` equal to it in column order; written in column order
-    _topk_write(out_ptr + t * out_t, key, cols, in_row, prefix, need, 0, 0)
+    _topk_write(out_row, key, index, in_row, prefix, need, 0, 0, key_row, KEYS_OUT)
 
 
 def _topk_looped_kernel(
@@ -180,7 +203,9 @@ def _topk_looped_kernel(
         cols = c0 + tl.arange(0, CHUNK)
         in_row = cols < width
         key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
-        taken, equal_seen = _topk_write(out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen)
+        taken, equal_seen = _topk_write(
+            out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen, out_ptr, False
+        )
 
 
 _JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_write", "_topk_kernel", "_topk_looped_kernel")
@@ -239,23 +264,77 @@ def indexer_topk(logits, k):
     return out
 
 
-def launch_topk(logits, k, out, num_warps=None, chunk=None) -> None:
-    """Write ``out`` with one launch (none for an empty call): rows of at most
-    :data:`TOPK_MAX_WIDTH` columns in registers (:func:`topk_warps`), wider ones, or any with
-    ``chunk`` (for tests and sweeps), ``chunk`` columns at a time; ``num_warps`` (for sweeps)
-    replaces the rule's."""
+def topk_program(rows: int, width: int, k: int) -> str:
+    """Which top-k program serves ``rows`` rows of ``width`` columns (a rule from the sweep on the
+    H200, benchmarks/RESULTS.md, the top-k of few wide rows): ``"registers"`` up to
+    :data:`TOPK_MAX_WIDTH` columns; past it ``"split"`` for up to :data:`TOPK_SPLIT_ROWS` rows
+    when the pieces shrink the row at least 4-fold (``4 k <= TOPK_CHUNK``), else ``"looped"``.
+    At k = 512 by pieces was 1.5-12x faster up to 64 rows (16384 to 131072 columns), the looped
+    program 1.1-1.4x faster from 128 rows."""
+    if width <= TOPK_MAX_WIDTH:
+        return "registers"
+    return "split" if rows <= TOPK_SPLIT_ROWS and 4 * k <= TOPK_CHUNK else "looped"
+
+
+def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> None:
+    """Write ``out`` (none launched for an empty call) with the program :func:`topk_program`
+    picks, or ``program``: ``"registers"`` (one launch), ``"looped"`` (one launch, ``chunk``
+    columns at a time) or ``"split"`` (a launch per step, :func:`_launch_split`).
+    ``chunk`` (default :data:`TOPK_CHUNK`) and ``num_warps`` (default: the rule's) are for tests
+    and sweeps."""
     tokens, width = logits.shape
     if tokens == 0 or k == 0:
         return
-    args = (logits, out, width, k, logits.stride()[0], logits.stride()[1], out.stride()[0])
-    if chunk is None and width <= TOPK_MAX_WIDTH:
+    program = program or topk_program(tokens, width, k)
+    chunk = chunk or TOPK_CHUNK
+    if program == "split":
+        _launch_split(logits, k, out, chunk, num_warps)
+        return
+    (x_t, x_m), out_t = logits.stride(), out.stride()[0]
+    if program == "registers":
         # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
         block = max(256, triton.next_power_of_2(width))
-        triton_common.eager(_topk_kernel)[(tokens,)](*args, BLOCK=block, num_warps=num_warps or topk_warps(block))
-    else:
-        triton_common.eager(_topk_looped_kernel)[(tokens,)](
-            *args, CHUNK=chunk or TOPK_CHUNK, num_warps=num_warps or TOPK_CHUNK_WARPS,
+        triton_common.eager(_topk_kernel)[(tokens,)](
+            logits, logits, out, out, width, k, x_t, x_m, out_t,
+            BLOCK=block, KEYS_IN=False, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
         )
+    elif program == "looped":
+        triton_common.eager(_topk_looped_kernel)[(tokens,)](
+            logits, out, width, k, x_t, x_m, out_t, CHUNK=chunk, num_warps=num_warps or TOPK_CHUNK_WARPS,
+        )
+    else:
+        raise ValueError(f"program must be 'registers', 'looped' or 'split', got {program!r}")
+
+
+def _launch_split(logits, k, out, chunk, num_warps) -> None:
+    """The top-k of rows of any width by pieces (``4 k <= chunk``): while a row is wider than
+    ``chunk``, one launch selects the top ``k`` of every ``chunk``-column piece of it in parallel
+    (a program per piece), whose concatenation, in column order, is the next row: it holds the
+    row's top ``k`` (an entry among a row's ``k`` largest is among its piece's), in ~``width *
+    k / chunk`` columns. Then one program per row selects from what is left. Exact as the other
+    programs: equal keys keep their column order through every step. Launches: 1 + log(width /
+    chunk) / log(chunk / k) rounded up (at ``k`` = 512: two up to 32768 columns, three up to
+    262144)."""
+    if 4 * k > chunk:
+        raise ValueError(f"the top-k by pieces needs 4 k <= chunk, got k = {k}, chunk = {chunk}")
+    rows, width = logits.shape
+    x = col = logits
+    x_t, x_m, keys_in = logits.stride()[0], logits.stride()[1], False
+    while width > chunk:
+        pieces = -(-width // chunk)
+        narrow = (pieces - 1) * k + min(k, width - (pieces - 1) * chunk)
+        keys = torch.empty(rows, narrow, dtype=torch.int32, device=logits.device)
+        cols = torch.empty(rows, narrow, dtype=torch.int32, device=logits.device)
+        triton_common.eager(_topk_kernel)[(rows, pieces)](
+            x, col, cols, keys, width, k, x_t, x_m, narrow,
+            BLOCK=chunk, KEYS_IN=keys_in, KEYS_OUT=True, num_warps=num_warps or topk_warps(chunk),
+        )
+        x, col, width, x_t, x_m, keys_in = keys, cols, narrow, narrow, 1, True
+    block = max(256, triton.next_power_of_2(width))
+    triton_common.eager(_topk_kernel)[(rows,)](
+        x, col, out, out, width, k, x_t, x_m, out.stride()[0],
+        BLOCK=block, KEYS_IN=keys_in, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
+    )
 
 
 def precision(device: torch.device) -> str:
