@@ -17,9 +17,10 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
 
 Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
 widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
-32768 columns, past the in-register program); with ``--sweep``, the top-k program at 2, 4, 8 and 16
-warps (at 32768 columns: the looped one, ``TOPK_CHUNK`` columns at a time), and the looped one
-(1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of 2048 columns or more.
+32768 columns, past the in-register program; ``--wide``: only rows past it, 1 to 8192 rows of
+16384 and 32768 columns, 1 to 1024 of 131072); with ``--sweep``, the in-register program at 2, 4, 8
+and 16 warps, the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of
+2048 columns or more, and the one by pieces (2048 / 4096 columns) on rows past the in-register one.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -107,41 +108,56 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
         "triton_us": graph_timed(lambda: d4.indexer_topk(logits, k), per_graph),
         "torch_topk_us": graph_timed(lambda: logits.topk(k, dim=1, sorted=False), per_graph),
     }
+    rows, width = logits.shape
+    out = torch.empty_like(got)
+    run = lambda **kw: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, **kw), per_graph)  # noqa: E731
+    # past TOPK_MAX_WIDTH: both programs of wide rows, at their default geometry
+    row["programs"] = {p: run(program=p) for p in ("split", "looped")} if width > triton_indexer.TOPK_MAX_WIDTH else {}
     if sweep:
-        out = torch.empty_like(got)
-        row["sweep"] = {w: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w), per_graph)
-                        for w in (2, 4, 8, 16)}
-        # the looped program (rows past TOPK_MAX_WIDTH; here also at the widths the in-register one
-        # takes, from 2048 columns), by chunk and warps
-        row["looped"] = {
-            f"{chunk}/{w}w": graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, w, chunk), per_graph)
-            for chunk, w in itertools.product((1024, 2048, 4096), (4, 8))
-        } if logits.shape[1] >= 2048 else {}
+        # the in-register program by warps; the looped one (rows past TOPK_MAX_WIDTH; here also at
+        # the widths the in-register one takes, from 2048 columns) by chunk and warps; by pieces
+        # (rows past TOPK_MAX_WIDTH) of 2048 and 4096 columns
+        row["sweep"] = {w: run(num_warps=w, program="registers")
+                        for w in (2, 4, 8, 16)} if width <= triton_indexer.TOPK_MAX_WIDTH else {}
+        row["looped"] = {f"{chunk}/{w}w": run(num_warps=w, chunk=chunk, program="looped")
+                         for chunk, w in itertools.product((1024, 2048, 4096), (4, 8))} if width >= 2048 else {}
+        row["split"] = {chunk: run(chunk=chunk, program="split")
+                        for chunk in (2048, 4096)} if width > triton_indexer.TOPK_MAX_WIDTH else {}
+    row["program"] = triton_indexer.topk_program(rows, width, k)
     results.setdefault("topk", {})[name] = row
-    print(f"top-k {name}: triton {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us"
-          + (f"; warps {row['sweep']}; looped (chunk/warps) {row['looped']}" if sweep else ""), flush=True)
+    print(f"top-k {name}: triton ({row['program']}) {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us, "
+          f"programs {row['programs']}"
+          + (f"; warps {row['sweep']}; looped (chunk/warps) {row['looped']}; pieces {row['split']}" if sweep else ""),
+          flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
     parser.add_argument("--topk-only", action="store_true", help="time only the top-k cases")
+    parser.add_argument("--wide", action="store_true", help="time only the top-k of rows past TOPK_MAX_WIDTH")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rate = copy_rate(torch.device("cuda"))
     compiled = torch.compile(gather_bmm, dynamic=False)
     results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}
     print(f"copy rate {rate / 1e12:.2f} TB/s")
-    for name in ("decode-b1", "decode-b64", "prefill"):
-        inputs = case(name)
-        per_graph = 2 if name == "prefill" else 10
-        ours = d4.indexer_logits(*inputs)
-        if not args.topk_only:
-            logits_case(name, inputs, ours, compiled, rate, args.sweep, per_graph, results)
-        topk_case(f"{name} logits", ours, args.sweep, per_graph, results)
-    for rows, width in [*itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]:
+    if args.wide:
+        shapes = [*itertools.product((1, 16, 64, 128, 256, 512, 1024, 8192), (16384, 32768)),
+                  *itertools.product((1, 64, 256, 1024), (131072,))]
+    else:
+        for name in ("decode-b1", "decode-b64", "prefill"):
+            inputs = case(name)
+            per_graph = 2 if name == "prefill" else 10
+            ours = d4.indexer_logits(*inputs)
+            if not args.topk_only:
+                logits_case(name, inputs, ours, compiled, rate, args.sweep, per_graph, results)
+            topk_case(f"{name} logits", ours, args.sweep, per_graph, results)
+        shapes = [*itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]
+    for rows, width in shapes:
         logits = torch.randn(rows, width, device="cuda")
         topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results)
+        del logits
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
