@@ -143,8 +143,8 @@ def test_triton_looped_program_against_stable_sort(case, device):
                          ids=["three-steps", "short-last-piece", "k1", "one-piece"])
 def test_triton_split_program_against_stable_sort(rows, width, k, device):
     """The program for few rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, by 256-column
-    pieces here: three steps with a last piece narrower than ``k`` (5000 columns: 1200, then 300
-    candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
+    pieces here: three steps, the last with a piece narrower than ``k`` (5000 columns: 1200, 300,
+    then 104 candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
     (the first ``k`` columns, whatever the pieces); a strided row: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
