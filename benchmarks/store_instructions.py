@@ -42,8 +42,10 @@ UNIT = ("weight_stride", "freqs_stride1", "positions_stride", "out_loc_stride")
 ALIGNED = ("kv_ptr", "weight_ptr", "freqs_ptr", "positions_ptr", "out_loc_ptr", "cache_ptr", "kv_stride",
            "freqs_stride0", "page_stride")
 INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
-#: a line of triton.tools.disasm.get_sass: control bits, a tab, an optional predicate, the opcode
-SASS_INSTRUCTION = re.compile(r"^[^\t\n]*\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+#: an instruction line of ``cuobjdump -sass``: its byte offset in a comment, an optional predicate,
+#: the opcode (``triton.tools.disasm.get_sass`` is not used: it stops at offset 0x10000, the
+#: 4096th instruction)
+SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
 def compiled_store(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int,
@@ -76,15 +78,19 @@ def instructions(compiled, sass: bool = False) -> collections.Counter:
     """The instructions of a compiled program, by opcode: its PTX (``sass``: its machine code)."""
     if not sass:
         return collections.Counter(INSTRUCTION.findall(compiled.asm["ptx"]))
-    from triton.tools.disasm import get_sass
-
-    found = SASS_INSTRUCTION.findall(get_sass(compiled.asm["cubin"]))
+    found = SASS_INSTRUCTION.findall(cuobjdump(compiled, "-sass"))
     return collections.Counter(name for name in found if name != "NOP")
 
 
 def resources(compiled) -> tuple[int, int]:
     """``(registers per thread, stack bytes per thread)`` of a compiled program's cubin
     (``cuobjdump --dump-resource-usage``; stack bytes are register spills here)."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(compiled, "--dump-resource-usage"))
+    return int(found[1]), int(found[2])
+
+
+def cuobjdump(compiled, option: str) -> str:
+    """``cuobjdump option`` of a compiled program's cubin (Triton's copy of the tool)."""
     import os
     import subprocess
     import tempfile
@@ -95,12 +101,9 @@ def resources(compiled) -> tuple[int, int]:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run([path_to_cuobjdump(), "--dump-resource-usage", path],
-                               capture_output=True, text=True, check=True).stdout
+        return subprocess.run([path_to_cuobjdump(), option, path], capture_output=True, text=True, check=True).stdout
     finally:
         os.remove(path)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return int(found[1]), int(found[2])
 
 
 def main() -> None:
