@@ -247,8 +247,10 @@ def test_cuda_wide_rows_take_the_rules_program(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay():
-    logits = make_logits(*CASES["dsv4"][:2], device="cuda")
+@pytest.mark.parametrize("rows, width", [CASES["dsv4"][:2], (3, 4 * 8192 + 5)], ids=["registers", "pieces"])
+def test_cuda_graph_replay(rows, width):
+    """A captured call follows its input; by pieces too (its candidate buffers allocated in the capture)."""
+    logits = make_logits(rows, width, device="cuda")
     before = d4.indexer_topk(logits, 512)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
