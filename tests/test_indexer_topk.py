@@ -97,6 +97,16 @@ def test_reference_chunks_rows(monkeypatch):
     assert torch.equal(reference.indexer_topk(logits, 5), expected(logits, 5))
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the Triton kernels launched through ``triton_common.eager``, in order."""
+    from dsv4_compile.kernels import triton_common
+
+    names, eager = [], triton_common.eager
+    monkeypatch.setattr(triton_common, "eager", lambda kernel: names.append(kernel.fn.__name__) or eager(kernel))
+    return names
+
+
 def triton_topk(logits, k):
     """The Triton provider's kernel: through the op on CUDA (where it serves), directly when
     interpreted on CPU (where the reference serves the op)."""
@@ -121,27 +131,28 @@ def test_triton_against_stable_sort(case, device):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("case", ["dsv4", "odd", "all", "one"])
-def test_triton_looped_program_against_stable_sort(case, device):
-    """The program for rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, read 256 columns
-    at a time here (several chunks, a partial last one, a row within one chunk), and on a strided
-    row: the same indices."""
+def test_triton_looped_program_against_stable_sort(case, device, launched):
+    """The program for many rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, read 256
+    columns at a time here (several chunks, a partial last one, a row within one chunk), and on a
+    strided row: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
     triton_indexer._triton()  # (the launcher takes the jitted kernels the op's entry point makes)
     rows, width, k = CASES[case]
     logits = make_logits(rows, width, device)
     out = torch.empty(rows, k, dtype=torch.int64, device=device)
-    triton_indexer.launch_topk(logits, k, out, chunk=256)
+    triton_indexer.launch_topk(logits, k, out, chunk=256, program="looped")
     assert torch.equal(out.cpu(), expected(logits, k))
     out.fill_(-1)
-    triton_indexer.launch_topk(strided(logits), k, out, chunk=256)
+    triton_indexer.launch_topk(strided(logits), k, out, chunk=256, program="looped")
     assert torch.equal(out.cpu(), expected(logits, k))
+    assert launched == ["_topk_looped_kernel"] * 2
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("rows, width, k", [(3, 5000, 60), (4, 700, 64), (2, 4096, 1), (5, 37, 5)],
+@pytest.mark.parametrize("rows, width, k, steps", [(3, 5000, 60, 3), (4, 700, 64, 1), (2, 4096, 1, 1), (5, 37, 5, 0)],
                          ids=["three-steps", "short-last-piece", "k1", "one-piece"])
-def test_triton_split_program_against_stable_sort(rows, width, k, device):
+def test_triton_split_program_against_stable_sort(rows, width, k, steps, device, launched):
     """The program for few rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, by 256-column
     pieces here: three steps, the last with a piece narrower than ``k`` (5000 columns: 1200, 300,
     then 104 candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
@@ -155,6 +166,7 @@ def test_triton_split_program_against_stable_sort(rows, width, k, device):
     triton_indexer.launch_topk(logits, k, out, chunk=256, program="split")
     assert torch.equal(out.cpu(), expected(logits, k))
     assert out[-1].tolist() == list(range(k))
+    assert launched == ["_topk_kernel"] * (steps + 1)  # a launch per step, then the last selection
     out.fill_(-1)
     triton_indexer.launch_topk(strided(logits), k, out, chunk=256, program="split")
     assert torch.equal(out.cpu(), expected(logits, k))
@@ -227,15 +239,13 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 
 @pytest.mark.cuda
-def test_cuda_wide_rows_take_the_rules_program(monkeypatch):
+def test_cuda_wide_rows_take_the_rules_program(launched):
     """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns (``max_seq_len`` past 32768 at
     ratio 4) the Triton provider still serves the call: by pieces for few rows (two launches each
     here), with the looped program for more rows or a ``k`` past a quarter of a piece: the same
     indices."""
-    from dsv4_compile.kernels import triton_common, triton_indexer
+    from dsv4_compile.kernels import triton_indexer
 
-    launched, eager = [], triton_common.eager
-    monkeypatch.setattr(triton_common, "eager", lambda kernel: launched.append(kernel.fn.__name__) or eager(kernel))
     wide, chunk, many = triton_indexer.TOPK_MAX_WIDTH + 1, triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_SPLIT_ROWS + 1
     for rows, width, k, program in [(3, wide, 600, "split"), (3, 5 * chunk + 77, 600, "split"),
                                     (many, wide, 600, "looped"), (3, wide, chunk // 4 + 1, "looped")]:

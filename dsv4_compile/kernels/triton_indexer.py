@@ -290,20 +290,26 @@ def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> Non
     if program == "split":
         _launch_split(logits, k, out, chunk, num_warps)
         return
-    (x_t, x_m), out_t = logits.stride(), out.stride()[0]
+    x_t, x_m = logits.stride()
     if program == "registers":
-        # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
-        block = max(256, triton.next_power_of_2(width))
-        triton_common.eager(_topk_kernel)[(tokens,)](
-            logits, logits, out, out, width, k, x_t, x_m, out_t,
-            BLOCK=block, KEYS_IN=False, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
-        )
+        _launch_in_registers(logits, logits, out, width, k, x_t, x_m, False, num_warps)
     elif program == "looped":
         triton_common.eager(_topk_looped_kernel)[(tokens,)](
-            logits, out, width, k, x_t, x_m, out_t, CHUNK=chunk, num_warps=num_warps or TOPK_CHUNK_WARPS,
+            logits, out, width, k, x_t, x_m, out.stride()[0], CHUNK=chunk, num_warps=num_warps or TOPK_CHUNK_WARPS,
         )
     else:
         raise ValueError(f"program must be 'registers', 'looped' or 'split', got {program!r}")
+
+
+def _launch_in_registers(x, col, out, width, k, x_t, x_m, keys_in, num_warps) -> None:
+    """The in-register program over rows of ``width`` columns: float32 logits, or with ``keys_in``
+    a candidate list (keys ``x``, columns ``col``), one program per row writing ``out``."""
+    # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
+    block = max(256, triton.next_power_of_2(width))
+    triton_common.eager(_topk_kernel)[(x.shape[0],)](
+        x, col, out, out, width, k, x_t, x_m, out.stride()[0],
+        BLOCK=block, KEYS_IN=keys_in, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
+    )
 
 
 def _launch_split(logits, k, out, chunk, num_warps) -> None:
@@ -330,11 +336,7 @@ def _launch_split(logits, k, out, chunk, num_warps) -> None:
             BLOCK=chunk, KEYS_IN=keys_in, KEYS_OUT=True, num_warps=num_warps or topk_warps(chunk),
         )
         x, col, width, x_t, x_m, keys_in = keys, cols, narrow, narrow, 1, True
-    block = max(256, triton.next_power_of_2(width))
-    triton_common.eager(_topk_kernel)[(rows,)](
-        x, col, out, out, width, k, x_t, x_m, out.stride()[0],
-        BLOCK=block, KEYS_IN=keys_in, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
-    )
+    _launch_in_registers(x, col, out, width, k, x_t, x_m, keys_in, num_warps)
 
 
 def precision(device: torch.device) -> str:
