@@ -17,10 +17,11 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
 
 Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
 widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
-32768 columns, past the in-register program; ``--wide``: only rows past it, 1 to 8192 rows of
-16384 and 32768 columns, 1 to 1024 of 131072); with ``--sweep``, the in-register program at 2, 4, 8
-and 16 warps, the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the rows of
-2048 columns or more, and the one by pieces (2048 / 4096 columns) on rows past the in-register one.
+32768 columns, past the in-register program; ``--wide``: 1 to 8192 rows of 8192 to 32768 columns
+and 1 to 1024 of 131072, each program that can take them timed too); with ``--sweep``, the
+in-register program at 1, 2, 4, 8 and 16 warps, the looped one (1024 / 2048 / 4096 columns at a
+time, 4 / 8 warps) on the rows of 2048 columns or more, and the one by pieces (2048 / 4096
+columns) on rows past the in-register one.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -97,8 +98,9 @@ def logits_case(name, inputs, ours, compiled, rate, sweep, per_graph, results) -
         print("   fastest geometries:", ", ".join(f"{k} {v:.1f}" for k, v in best))
 
 
-def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, results: dict) -> None:
-    """Time the top-k op against ``torch.topk`` on ``logits``, k = 512 (``--sweep``: warps)."""
+def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, results: dict, wide: bool = False) -> None:
+    """Time the top-k op against ``torch.topk`` on ``logits``, k = 512 (``--sweep``: warps;
+    ``wide``: every program)."""
     k = 512
     got = d4.indexer_topk(logits, k)
     want = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
@@ -111,14 +113,15 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
     rows, width = logits.shape
     out = torch.empty_like(got)
     run = lambda **kw: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, **kw), per_graph)  # noqa: E731
-    # past TOPK_MAX_WIDTH: both programs of wide rows, at their default geometry
-    row["programs"] = {p: run(program=p) for p in ("split", "looped")} if width > triton_indexer.TOPK_MAX_WIDTH else {}
+    # with --wide, every program that can take the rows, at its default geometry
+    programs = ("registers",) * (width <= 8192)  # the widest the in-register program is built for + ("split",) * (width > triton_indexer.TOPK_CHUNK) + ("looped",)
+    row["programs"] = {p: run(program=p) for p in programs} if wide else {}
     if sweep:
         # the in-register program by warps; the looped one (rows past TOPK_MAX_WIDTH; here also at
         # the widths the in-register one takes, from 2048 columns) by chunk and warps; by pieces
         # (rows past TOPK_MAX_WIDTH) of 2048 and 4096 columns
         row["sweep"] = {w: run(num_warps=w, program="registers")
-                        for w in (2, 4, 8, 16)} if width <= triton_indexer.TOPK_MAX_WIDTH else {}
+                        for w in (1, 2, 4, 8, 16)} if width <= triton_indexer.TOPK_MAX_WIDTH else {}
         row["looped"] = {f"{chunk}/{w}w": run(num_warps=w, chunk=chunk, program="looped")
                          for chunk, w in itertools.product((1024, 2048, 4096), (4, 8))} if width >= 2048 else {}
         row["split"] = {chunk: run(chunk=chunk, program="split")
@@ -135,7 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
     parser.add_argument("--topk-only", action="store_true", help="time only the top-k cases")
-    parser.add_argument("--wide", action="store_true", help="time only the top-k of rows past TOPK_MAX_WIDTH")
+    parser.add_argument("--wide", action="store_true", help="time only the top-k of wide rows, by every program")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rate = copy_rate(torch.device("cuda"))
@@ -143,7 +146,8 @@ def main() -> None:
     results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}
     print(f"copy rate {rate / 1e12:.2f} TB/s")
     if args.wide:
-        shapes = [*itertools.product((1, 16, 64, 128, 256, 512, 1024, 8192), (16384, 32768)),
+        shapes = [*itertools.product((1, 64, 1024, 8192), (8192,)),
+                  *itertools.product((1, 16, 64, 128, 256, 512, 1024, 8192), (16384, 32768)),
                   *itertools.product((1, 64, 256, 1024), (131072,))]
     else:
         for name in ("decode-b1", "decode-b64", "prefill"):
@@ -156,7 +160,7 @@ def main() -> None:
         shapes = [*itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]
     for rows, width in shapes:
         logits = torch.randn(rows, width, device="cuda")
-        topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results)
+        topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results, args.wide)
         del logits
     if args.json:
         with open(args.json, "w") as f:

@@ -113,7 +113,7 @@ def calls():
     for dim in (128, 200):  # the wide geometry past 128
         slots = torch.randint(-1, 9, (3, 70), generator=g)
         yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)
-    # 4, 8 and 16 warps in registers; by pieces (one step from the logits, then one from keys
+    # 4 and 8 warps in registers; by pieces (one step from the logits, then one from keys
     # to keys, then the last); the looped program (more rows)
     for width in (1024, 4096, triton_indexer.TOPK_MAX_WIDTH, 8 * triton_indexer.TOPK_CHUNK + 1):
         yield triton_indexer.indexer_topk, (torch.randn(3, width), 512)

@@ -16,13 +16,15 @@ into memory. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1
 
 The top-k (docs/design.md §2.9): one program per row holds the row's values in registers as
 32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high
-word), finds the ``k``-th largest a byte at a time (four 256-bin histograms of the keys that share
-the bytes found so far: a radix select), then writes every column above it and the first columns
-equal to it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
+word), finds the ``k``-th largest a bit at a time from the top (32 counts of the keys that reach
+a probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and
+bit in warp votes and masks), then writes every column above it and the first columns equal to
+it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
 several. Rows wider than :data:`TOPK_MAX_WIDTH` (a long ``max_seq_len``; :func:`topk_program`):
 few rows by pieces, each piece's top ``k`` selected in parallel by the same program, then the top
 ``k`` of those candidates (:func:`_launch_split`); many rows by a program per row that reads it
-in chunks: four histogram passes, then one pass that writes.
+in chunks: four 256-bin histogram passes (a radix select a byte at a time: fewer reads of the
+row than a bit at a time), then one pass that writes.
 
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
@@ -51,11 +53,11 @@ TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS, TOPK_SPLIT_ROWS = 8192, 4096, 8, 6
 
 
 def topk_warps(block: int) -> int:
-    """Warps of the top-k program over rows of ``block`` (a power of two) columns, a rule from the
-    sweep on the H200 (benchmarks/RESULTS.md, the indexer's top-k on wide rows): 4 up to 1024
-    columns, 8 up to 4096, 16 beyond; the fastest, or within 5% of it, at 1, 64 and 8192 rows of
-    every width measured (1024 to 8192)."""
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+    """Warps of the in-register top-k program over rows of ``block`` (a power of two) columns, a
+    rule from the sweep on the H200 (benchmarks/RESULTS.md, the top-k by bits): 4 up to 2048
+    columns, 8 beyond; the fastest, or within 2% of it, at 1, 64 and 8192 rows of every width
+    measured (1024 to 8192)."""
+    return 4 if block <= 2048 else 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,15 +164,15 @@ def _topk_kernel(
         out_row += tl.program_id(1) * k
         key_row += tl.program_id(1) * k
         need = tl.minimum(k, width - tl.program_id(1) * BLOCK)
-    # the need-th largest key, a byte at a time from the top: the byte whose bucket holds it among
-    # the keys that share the bytes found so far, and how many of them are still to take
+    # the need-th largest key, a bit at a time from the top: the largest key that at least `need`
+    # keys reach (every real key is above 0, the key of the columns past the row); then how many
+    # of the keys equal to it are to take
+    key = tl.where(in_row, key, 0)
     prefix = tl.zeros([], tl.uint32)
-    candidate = in_row
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i
-        digit = ((key >> shift) & 255).to(tl.int32)
-        prefix, need = _topk_digit(tl.histogram(digit, 256, mask=candidate), need, prefix, shift)
-        candidate = candidate & (digit == ((prefix >> shift) & 255).to(tl.int32))
+    for i in tl.static_range(32):
+        probe = prefix | (tl.full([], 1, tl.uint32) << (31 - i))
+        prefix = tl.where(tl.sum((key >= probe).to(tl.int32), axis=0) >= need, probe, prefix)
+    need -= tl.sum((key > prefix).to(tl.int32), axis=0)
     # every key above it, and the first `need` equal to it in column order; written in column order
     _topk_write(out_row, key, index, in_row, prefix, need, 0, 0, key_row, KEYS_OUT)
 
