@@ -114,7 +114,8 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
     out = torch.empty_like(got)
     run = lambda **kw: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, **kw), per_graph)  # noqa: E731
     # with --wide, every program that can take the rows, at its default geometry
-    programs = ("registers",) * (width <= 8192)  # the widest the in-register program is built for + ("split",) * (width > triton_indexer.TOPK_CHUNK) + ("looped",)
+    # (the in-register program is built for rows of up to 8192 columns)
+    programs = ("registers",) * (width <= 8192) + ("split",) * (width > triton_indexer.TOPK_CHUNK) + ("looped",)
     row["programs"] = {p: run(program=p) for p in programs} if wide else {}
     if sweep:
         # the in-register program by warps; the looped one (rows past TOPK_MAX_WIDTH; here also at
