@@ -127,7 +127,7 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
                          for chunk, w in itertools.product((1024, 2048, 4096), (4, 8))} if width >= 2048 else {}
         row["split"] = {chunk: run(chunk=chunk, program="split")
                         for chunk in (2048, 4096)} if width > triton_indexer.TOPK_MAX_WIDTH else {}
-    row["program"] = triton_indexer.topk_program(rows, width, k)
+    row["program"] = triton_indexer.topk_program(width, k)
     results.setdefault("topk", {})[name] = row
     print(f"top-k {name}: triton ({row['program']}) {row['triton_us']:.1f} us, torch.topk {row['torch_topk_us']:.1f} us, "
           f"programs {row['programs']}"

@@ -132,9 +132,9 @@ def test_triton_against_stable_sort(case, device):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("case", ["dsv4", "odd", "all", "one"])
 def test_triton_looped_program_against_stable_sort(case, device, launched):
-    """The program for many rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, read 256
-    columns at a time here (several chunks, a partial last one, a row within one chunk), and on a
-    strided row: the same indices."""
+    """The program for rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH` with a ``k`` past a
+    quarter of a piece, read 256 columns at a time here (several chunks, a partial last one, a row
+    within one chunk), and on a strided row: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
     triton_indexer._triton()  # (the launcher takes the jitted kernels the op's entry point makes)
@@ -153,7 +153,7 @@ def test_triton_looped_program_against_stable_sort(case, device, launched):
 @pytest.mark.parametrize("rows, width, k, steps", [(3, 5000, 60, 3), (4, 700, 64, 1), (2, 4096, 1, 1), (5, 37, 5, 0)],
                          ids=["three-steps", "short-last-piece", "k1", "one-piece"])
 def test_triton_split_program_against_stable_sort(rows, width, k, steps, device, launched):
-    """The program for few rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH`, by 256-column
+    """The program for rows wider than :data:`~.triton_indexer.TOPK_CHUNK`, by 256-column
     pieces here: three steps, the last with a piece narrower than ``k`` (5000 columns: 1200, 300,
     then 104 candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
     (the first ``k`` columns, whatever the pieces); a strided row: the same indices."""
@@ -240,20 +240,22 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 @pytest.mark.cuda
 def test_cuda_wide_rows_take_the_rules_program(launched):
-    """Past :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns (``max_seq_len`` past 32768 at
-    ratio 4) the Triton provider still serves the call: by pieces for few rows (two launches each
-    here), with the looped program for more rows or a ``k`` past a quarter of a piece: the same
-    indices."""
+    """Past :data:`~.triton_indexer.TOPK_CHUNK` columns (``max_seq_len`` past 16384 at ratio 4)
+    by pieces (two launches each here) at any row count; with a ``k`` past a quarter of a piece, in
+    registers up to :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns and by the looped program
+    beyond: the same indices."""
     from dsv4_compile.kernels import triton_indexer
 
-    wide, chunk, many = triton_indexer.TOPK_MAX_WIDTH + 1, triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_SPLIT_ROWS + 1
-    for rows, width, k, program in [(3, wide, 600, "split"), (3, 5 * chunk + 77, 600, "split"),
-                                    (many, wide, 600, "looped"), (3, wide, chunk // 4 + 1, "looped")]:
+    chunk, widest = triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_MAX_WIDTH
+    launches = {"split": ["_topk_kernel"] * 2, "registers": ["_topk_kernel"], "looped": ["_topk_looped_kernel"]}
+    for rows, width, k, program in [(3, chunk + 1, 600, "split"), (3, 5 * chunk + 77, 600, "split"),
+                                    (100, widest + 1, 600, "split"), (3, widest, chunk // 4 + 1, "registers"),
+                                    (3, widest + 1, chunk // 4 + 1, "looped")]:
         launched.clear()
-        assert triton_indexer.topk_program(rows, width, k) == program
+        assert triton_indexer.topk_program(width, k) == program
         logits = make_logits(rows, width, "cuda")
         assert torch.equal(triton_topk(logits, k).cpu(), expected(logits, k))
-        assert launched == (["_topk_kernel"] * 2 if program == "split" else ["_topk_looped_kernel"])
+        assert launched == launches[program]
 
 
 @pytest.mark.cuda

@@ -113,12 +113,14 @@ def calls():
     for dim in (128, 200):  # the wide geometry past 128
         slots = torch.randint(-1, 9, (3, 70), generator=g)
         yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)
-    # 4 and 8 warps in registers; by pieces (one step from the logits, then one from keys
-    # to keys, then the last); the looped program (more rows)
-    for width in (1024, 4096, triton_indexer.TOPK_MAX_WIDTH, 8 * triton_indexer.TOPK_CHUNK + 1):
+    # 4 and 8 warps in registers; by pieces (one step from the logits, then one from keys to
+    # keys, then the last); a k past a quarter of a piece: the widest rows in registers, then the
+    # looped program
+    for width in (1024, triton_indexer.TOPK_CHUNK, 8 * triton_indexer.TOPK_CHUNK + 1):
         yield triton_indexer.indexer_topk, (torch.randn(3, width), 512)
-    rows = triton_indexer.TOPK_SPLIT_ROWS + 1
-    yield triton_indexer.indexer_topk, (torch.randn(rows, triton_indexer.TOPK_MAX_WIDTH + 1), 512)
+    k = triton_indexer.TOPK_CHUNK // 4 + 1
+    for width in (triton_indexer.TOPK_MAX_WIDTH, triton_indexer.TOPK_MAX_WIDTH + 1):
+        yield triton_indexer.indexer_topk, (torch.randn(3, width), k)
 
 
 def recorded_launches(monkeypatch, capability: tuple[int, int]) -> list:

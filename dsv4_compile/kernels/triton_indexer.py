@@ -20,11 +20,12 @@ word), finds the ``k``-th largest a bit at a time from the top (32 counts of the
 a probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and
 bit in warp votes and masks), then writes every column above it and the first columns equal to
 it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
-several. Rows wider than :data:`TOPK_MAX_WIDTH` (a long ``max_seq_len``; :func:`topk_program`):
-few rows by pieces, each piece's top ``k`` selected in parallel by the same program, then the top
-``k`` of those candidates (:func:`_launch_split`); many rows by a program per row that reads it
-in chunks: four 256-bin histogram passes (a radix select a byte at a time: fewer reads of the
-row than a bit at a time), then one pass that writes.
+several. Rows wider than :data:`TOPK_CHUNK` (a ``max_seq_len`` past 16384; :func:`topk_program`):
+by pieces, each piece's top ``k`` selected in parallel by the same program, then the top ``k`` of
+those candidates (:func:`_launch_split`). Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a
+quarter of a piece: a program per row that reads it in chunks, four 256-bin histogram passes (a
+radix select a byte at a time: fewer reads of the row than a bit at a time), then one pass that
+writes.
 
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
@@ -44,12 +45,13 @@ NAME = "triton"
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
-#: Widest row the top-k program holds in registers. Wider rows (:func:`topk_program`): up to
-#: :data:`TOPK_SPLIT_ROWS` rows, by :data:`TOPK_CHUNK`-column pieces selected in parallel
-#: (:func:`_launch_split`); more rows, by a program per row that reads it :data:`TOPK_CHUNK` columns
-#: at a time with :data:`TOPK_CHUNK_WARPS` warps (the fastest of the sweep on the H200 at 4096 to
-#: 32768 columns: benchmarks/RESULTS.md).
-TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS, TOPK_SPLIT_ROWS = 8192, 4096, 8, 64
+#: The top-k's programs (:func:`topk_program`): rows of up to :data:`TOPK_CHUNK` columns in
+#: registers; wider ones by :data:`TOPK_CHUNK`-column pieces selected in parallel
+#: (:func:`_launch_split`) while ``4 k <= TOPK_CHUNK``; past that, in registers up to
+#: :data:`TOPK_MAX_WIDTH` columns (the widest the in-register program is built for), beyond by a
+#: program per row that reads it :data:`TOPK_CHUNK` columns at a time with :data:`TOPK_CHUNK_WARPS`
+#: warps (the fastest of the sweep on the H200 at 4096 to 32768 columns: benchmarks/RESULTS.md).
+TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS = 8192, 4096, 8
 
 
 def topk_warps(block: int) -> int:
@@ -266,16 +268,19 @@ def indexer_topk(logits, k):
     return out
 
 
-def topk_program(rows: int, width: int, k: int) -> str:
-    """Which top-k program serves ``rows`` rows of ``width`` columns (a rule from the sweep on the
-    H200, benchmarks/RESULTS.md, the top-k of few wide rows): ``"registers"`` up to
-    :data:`TOPK_MAX_WIDTH` columns; past it ``"split"`` for up to :data:`TOPK_SPLIT_ROWS` rows
-    when the pieces shrink the row at least 4-fold (``4 k <= TOPK_CHUNK``), else ``"looped"``.
-    At k = 512 by pieces was 1.5-12x faster up to 64 rows (16384 to 131072 columns), the looped
-    program 1.1-1.4x faster from 128 rows."""
-    if width <= TOPK_MAX_WIDTH:
+def topk_program(width: int, k: int) -> str:
+    """Which top-k program serves rows of ``width`` columns (a rule from the sweep on the H200,
+    benchmarks/RESULTS.md, the top-k by bits): ``"registers"`` up to :data:`TOPK_CHUNK` columns;
+    past it ``"split"`` when the pieces shrink the row at least 4-fold (``4 k <= TOPK_CHUNK``),
+    else ``"registers"`` up to :data:`TOPK_MAX_WIDTH` columns and ``"looped"`` beyond. At k = 512
+    by pieces was 1.3-1.7x faster than the looped program at every row count measured (1 to 8192
+    rows of 16384 to 131072 columns) and, at 8192 columns, 11-18% faster than the in-register
+    program from 1024 rows, 2-3% slower at 1 and 64 rows."""
+    if width <= TOPK_CHUNK:
         return "registers"
-    return "split" if rows <= TOPK_SPLIT_ROWS and 4 * k <= TOPK_CHUNK else "looped"
+    if 4 * k <= TOPK_CHUNK:
+        return "split"
+    return "registers" if width <= TOPK_MAX_WIDTH else "looped"
 
 
 def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> None:
@@ -287,7 +292,7 @@ def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> Non
     tokens, width = logits.shape
     if tokens == 0 or k == 0:
         return
-    program = program or topk_program(tokens, width, k)
+    program = program or topk_program(width, k)
     chunk = chunk or TOPK_CHUNK
     if program == "split":
         _launch_split(logits, k, out, chunk, num_warps)
