@@ -15,13 +15,12 @@ chunk of 8 prompts x 1024 tokens (row ``t`` of a prompt sees ``(t + 1) // 4`` bl
   device-to-device copy rate measured in the same run, and its float32 FMAs at the H200's
   67 TFLOP/s (no tensor cores: IEEE float32).
 
-Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 8192,
-widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64 rows of
-32768 columns, past the in-register program; ``--wide``: 1 to 8192 rows of 8192 to 32768 columns
-and 1 to 1024 of 131072, each program that can take them timed too); with ``--sweep``, the
-in-register program at 1, 2, 4, 8 and 16 warps, the looped one (1024 / 2048 / 4096 columns at a
-time, 4 / 8 warps) on the rows of 2048 columns or more, and the one by pieces (2048 / 4096
-columns) on rows past the in-register one.
+Top-k cases: the logits above, and random logits with every column visible (rows 1 / 64 / 1024 /
+8192, widths 1024, 2048, 4096 and 8192: ``max_seq_len`` 4096, 8192, 16384 and 32768; and 1 / 64
+rows of 32768 columns; ``--wide``: 1 to 8192 rows of 8192 to 32768 columns and 1 to 1024 of
+131072, each program that can take them timed too); with ``--sweep``, the in-register program at
+1, 2, 4, 8 and 16 warps, the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the
+rows of 2048 columns or more, and the one by pieces (2048 / 4096 columns) on rows past 8192.
 
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
@@ -158,7 +157,7 @@ def main() -> None:
             if not args.topk_only:
                 logits_case(name, inputs, ours, compiled, rate, args.sweep, per_graph, results)
             topk_case(f"{name} logits", ours, args.sweep, per_graph, results)
-        shapes = [*itertools.product((1, 64, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]
+        shapes = [*itertools.product((1, 64, 1024, 8192), (1024, 2048, 4096, 8192)), (1, 32768), (64, 32768)]
     for rows, width in shapes:
         logits = torch.randn(rows, width, device="cuda")
         topk_case(f"random {rows}x{width}", logits, args.sweep, 2 if rows > 64 else 10, results, args.wide)

@@ -16,11 +16,12 @@ into memory. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1
 
 The top-k (docs/design.md §2.9): one program per row holds the row's values in registers as
 32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high
-word), finds the ``k``-th largest a bit at a time from the top (32 counts of the keys that reach
-a probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and
-bit in warp votes and masks), then writes every column above it and the first columns equal to
-it, in column order (two prefix sums): one launch and no sort, where ``torch.topk`` takes
-several. Rows wider than :data:`TOPK_CHUNK` (a ``max_seq_len`` past 16384; :func:`topk_program`):
+word), finds the ``k``-th largest a bit at a time from the top (counts of the keys that reach a
+probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and bit
+in warp votes and masks; at most 32 counts, fewer where exactly ``k`` keys reach a probe, none
+past two where the row has fewer than ``k`` keys above its smallest), then writes every column
+above it and the first columns equal to it, in column order (two prefix sums): one launch and no
+sort, where ``torch.topk`` takes several. Rows wider than :data:`TOPK_CHUNK` (a ``max_seq_len`` past 16384; :func:`topk_program`):
 by pieces, each piece's top ``k`` selected in parallel by the same program, then the top ``k`` of
 those candidates (:func:`_launch_split`). Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a
 quarter of a piece: a program per row that reads it in chunks, four 256-bin histogram passes (a
@@ -166,14 +167,24 @@ def _topk_kernel(
         out_row += tl.program_id(1) * k
         key_row += tl.program_id(1) * k
         need = tl.minimum(k, width - tl.program_id(1) * BLOCK)
-    # the need-th largest key, a bit at a time from the top: the largest key that at least `need`
-    # keys reach (every real key is above 0, the key of the columns past the row); then how many
-    # of the keys equal to it are to take
+    # the need-th largest key: the row's smallest where fewer than `need` keys are above it (a
+    # row with fewer visible columns than `need`: the rest are all -inf); else a bit at a time
+    # from the top, the largest key that at least `need` keys reach (every real key is above 0,
+    # the key of the columns past the row), stopping early where exactly `need` keys reach it
+    # (~19 of the 32 steps for 4096 distinct values: those are the need largest, and the write
+    # below takes them all). Then how many of the keys equal to it are to take
     key = tl.where(in_row, key, 0)
-    prefix = tl.zeros([], tl.uint32)
-    for i in tl.static_range(32):
-        probe = prefix | (tl.full([], 1, tl.uint32) << (31 - i))
-        prefix = tl.where(tl.sum((key >= probe).to(tl.int32), axis=0) >= need, probe, prefix)
+    low = tl.min(tl.where(in_row, key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
+    few = tl.sum((key > low).to(tl.int32), axis=0) < need
+    prefix = tl.where(few, low, 0)
+    reach = tl.where(few, need, need + 1)  # keys at or above prefix where that ends the search
+    step = need * 0
+    while (step < 32) & (reach != need):
+        probe = prefix | (tl.full([], 1, tl.uint32) << (31 - step).to(tl.uint32))
+        count = tl.sum((key >= probe).to(tl.int32), axis=0)
+        prefix = tl.where(count >= need, probe, prefix)
+        reach = tl.where(count >= need, count, reach)
+        step += 1
     need -= tl.sum((key > prefix).to(tl.int32), axis=0)
     # every key above it, and the first `need` equal to it in column order; written in column order
     _topk_write(out_row, key, index, in_row, prefix, need, 0, 0, key_row, KEYS_OUT)
