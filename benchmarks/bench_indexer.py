@@ -25,7 +25,9 @@ rows of 2048 columns or more, and the one by pieces (2048 / 4096 columns) on row
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
 
-Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_indexer.py [--sweep] [--json F]``
+Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_indexer.py [--sweep] [--json F]``;
+``python benchmarks/bench_indexer.py plot OUT.png AFTER.json[,MORE.json] [BEFORE.json[,MORE.json]]``
+draws the random top-k cases' time against rows, a panel per width.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 
@@ -134,7 +137,54 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
           flush=True)
 
 
+def random_rows(paths: str) -> dict:
+    """``{(rows, width): case}`` of the random top-k cases in the comma-separated JSON ``paths``."""
+    found = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            for name, row in json.load(f).get("topk", {}).items():
+                if name.startswith("random"):
+                    found[row["rows"], row["width"]] = row
+    return found
+
+
+def plot(path: str, after: str, before: str | None = None) -> None:
+    """The top-k's time against rows, a panel per width: the op, the op before (``before``), and
+    ``torch.topk`` (random logits, k = 512; the JSON files of ``after`` / ``before``,
+    comma-separated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    new, old = random_rows(after), random_rows(before) if before else {}
+    widths = sorted({w for _, w in new})
+    across = min(4, len(widths))
+    down = -(-len(widths) // across)
+    fig, axes = plt.subplots(down, across, figsize=(3.3 * across, 3.0 * down), squeeze=False)
+    for ax in axes.flat[len(widths):]:
+        ax.set_visible(False)
+    for ax, width in zip(axes.flat, widths):
+        lines = [("torch.topk", new, "torch_topk_us", "tab:gray"), ("triton before", old, "triton_us", "tab:cyan"),
+                 ("triton", new, "triton_us", "tab:blue")]
+        for label, cases, key, color in lines:
+            rows = sorted(r for r, w in cases if w == width)
+            if rows:
+                ax.plot(rows, [cases[r, width][key] for r in rows], "o-", label=label, color=color)
+        ax.set(xscale="log", yscale="log", title=f"{width} columns", xlabel="rows")
+        ax.grid(True, which="both", alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("us per call (CUDA graph)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("dsv4::indexer_topk, k = 512, random float32 logits", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        plot(*sys.argv[2:5])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
     parser.add_argument("--topk-only", action="store_true", help="time only the top-k cases")

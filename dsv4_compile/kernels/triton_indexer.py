@@ -18,8 +18,8 @@ The top-k (docs/design.md §2.9): one program per row holds the row's values in 
 32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high
 word), finds the ``k``-th largest a bit at a time from the top (counts of the keys that reach a
 probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and bit
-in warp votes and masks; at most 32 counts, fewer where exactly ``k`` keys reach a probe, none
-past two where the row has fewer than ``k`` keys above its smallest), then writes every column
+in warp votes and masks; at most 32 counts, fewer where exactly ``k`` keys reach a probe, and
+none where the row has fewer than ``k`` keys above its smallest), then writes every column
 above it and the first columns equal to it, in column order (two prefix sums): one launch and no
 sort, where ``torch.topk`` takes several. Rows wider than :data:`TOPK_CHUNK` (a ``max_seq_len`` past 16384; :func:`topk_program`):
 by pieces, each piece's top ``k`` selected in parallel by the same program, then the top ``k`` of
@@ -284,9 +284,9 @@ def topk_program(width: int, k: int) -> str:
     benchmarks/RESULTS.md, the top-k by bits): ``"registers"`` up to :data:`TOPK_CHUNK` columns;
     past it ``"split"`` when the pieces shrink the row at least 4-fold (``4 k <= TOPK_CHUNK``),
     else ``"registers"`` up to :data:`TOPK_MAX_WIDTH` columns and ``"looped"`` beyond. At k = 512
-    by pieces was 1.3-1.7x faster than the looped program at every row count measured (1 to 8192
-    rows of 16384 to 131072 columns) and, at 8192 columns, 11-18% faster than the in-register
-    program from 1024 rows, 2-3% slower at 1 and 64 rows."""
+    by pieces was faster than the looped program at every row count measured (1 to 8192 rows of
+    16384 to 131072 columns; 1.7-2x from 128 rows) and, at 8192 columns, 10-18% faster than the
+    in-register program from 1024 rows, within 10% of it at 1 and 64 rows."""
     if width <= TOPK_CHUNK:
         return "registers"
     if 4 * k <= TOPK_CHUNK:
