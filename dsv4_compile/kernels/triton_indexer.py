@@ -19,14 +19,14 @@ The top-k (docs/design.md §2.9): one program per row holds the row's values in 
 word), finds the ``k``-th largest a bit at a time from the top (counts of the keys that reach a
 probe: ~3 instructions per key and bit, where a 256-bin ``tl.histogram`` costs ~7 per key and bit
 in warp votes and masks; at most 32 counts, fewer where exactly ``k`` keys reach a probe, and
-none where the row has fewer than ``k`` keys above its smallest), then writes every column
-above it and the first columns equal to it, in column order (two prefix sums): one launch and no
-sort, where ``torch.topk`` takes several. Rows wider than :data:`TOPK_CHUNK` (a ``max_seq_len`` past 16384; :func:`topk_program`):
-by pieces, each piece's top ``k`` selected in parallel by the same program, then the top ``k`` of
-those candidates (:func:`_launch_split`). Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a
-quarter of a piece: a program per row that reads it in chunks, four 256-bin histogram passes (a
-radix select a byte at a time: fewer reads of the row than a bit at a time), then one pass that
-writes.
+none where the row has fewer than ``k`` keys above its smallest), then writes every column above
+it and the first columns equal to it, in column order (one prefix sum of both counts): one launch
+and no sort, where ``torch.topk`` takes several. Rows wider than :data:`TOPK_CHUNK` (a
+``max_seq_len`` past 16384; :func:`topk_program`): by pieces, each piece's top ``k`` selected in
+parallel by the same program, then the top ``k`` of those candidates (:func:`_launch_split`).
+Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a quarter of a piece: a program per row
+that reads it in chunks, four 256-bin histogram passes (a radix select a byte at a time: fewer
+reads of the row than a bit at a time), then one pass that writes.
 
 Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
@@ -130,15 +130,23 @@ def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key
     """Write the columns of ``key`` above ``prefix`` (the ``k``-th largest key) and those equal to
     it up to the ``need``-th, counting ``equal_seen`` equal ones before these, in column order after
     the ``taken`` already written (with ``KEYS_OUT`` their keys too, at the same places of
-    ``key_row``); return both counts with these columns'."""
+    ``key_row``); return both counts with these columns'. At most 65535 columns at a time: one
+    prefix sum counts the keys above (low 16 bits) and equal (high bits) up to each column."""
+    above = in_row & (key > prefix)
     equal = in_row & (key == prefix)
-    rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)
-    take = (in_row & (key > prefix)) | (equal & (rank <= need))
-    slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    both = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+    rank = equal_seen + (both >> 16)  # equal keys up to this column, this one included
+    take = above | (equal & (rank <= need))
+    # columns taken up to this one: those before, the keys above up to here, the equal ones up to
+    # the need-th
+    done = tl.minimum(equal_seen, need)
+    slot = taken + (both & 0xFFFF) + tl.minimum(rank, need) - done - 1
     tl.store(out_row + slot, cols.to(out_row.dtype.element_ty), mask=take)
     if KEYS_OUT:
         tl.store(key_row + slot, key.to(tl.int32, bitcast=True), mask=take)
-    return taken + tl.sum(take.to(tl.int32), axis=0), equal_seen + tl.sum(equal.to(tl.int32), axis=0)
+    total = tl.sum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+    seen = equal_seen + (total >> 16)
+    return taken + (total & 0xFFFF) + tl.minimum(seen, need) - done, seen
 
 
 def _topk_kernel(
@@ -151,6 +159,7 @@ def _topk_kernel(
     ``BLOCK``-column piece ``program_id(1)`` of its row and writes the columns and keys of the
     piece's top ``min(k, its width)`` at ``piece * k`` of ``out_ptr`` / ``key_out_ptr`` (row stride
     ``out_t``): a candidate list, in column order, for the next step."""
+    tl.static_assert(BLOCK < 65536)  # _topk_write's counts
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < width
@@ -158,7 +167,7 @@ def _topk_kernel(
         key = tl.load(x_ptr + t * x_t + cols, mask=in_row, other=0).to(tl.uint32, bitcast=True)
         index = tl.load(col_ptr + t * x_t + cols, mask=in_row, other=0)
     else:
-        key = _topk_key(tl.load(x_ptr + t * x_t + cols * x_m, mask=in_row, other=0.0))
+        key = _topk_key(tl.load(x_ptr + t * x_t + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
         index = cols
     out_row = out_ptr + t * out_t
     key_row = key_out_ptr + t * out_t
@@ -196,6 +205,7 @@ def _topk_looped_kernel(
 ):
     """A row of any width, read ``CHUNK`` columns at a time: four histogram passes (one per byte
     of the k-th largest key), then one pass that writes the selection in column order."""
+    tl.static_assert(CHUNK < 65536)  # _topk_write's counts
     t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * x_t
     prefix = tl.zeros([], tl.uint32)
