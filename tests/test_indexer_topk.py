@@ -176,6 +176,23 @@ def test_triton_split_program_against_stable_sort(rows, width, k, steps, device,
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_search_paths(device):
+    """The in-register program's three ways to the ``k``-th largest: a row whose ``k``-th value has
+    200 copies above the row's smallest (every bit searched; the first copies in column order), a
+    row of distinct values (the search stops where exactly ``k`` values reach a probe), a row with
+    fewer than ``k`` values above its smallest (no search): the same indices."""
+    g = torch.Generator().manual_seed(1)
+    ties = torch.randn(600, generator=g)
+    ties[torch.randperm(600, generator=g)[:200]] = 0.25
+    k = int((ties > 0.25).sum()) + 50  # 50 of the 200 copies
+    distinct = torch.randperm(600, generator=g).float()
+    few = torch.full((600,), float("-inf"))
+    few[torch.randperm(600, generator=g)[: k - 1]] = 1.0
+    logits = torch.stack([ties, distinct, few])
+    assert torch.equal(triton_topk(logits.to(device), k).cpu(), expected(logits, k))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_takes_strided_rows(device):
     """Every other column of a wider table (:func:`strided`)."""
     logits = make_logits(*CASES["odd"][:2], device)
