@@ -112,7 +112,9 @@ def regions(sass: str) -> list[tuple[str, collections.Counter]]:
     code = [(int(m[1], 16), m[3].split()[0], m[3]) for m in LINE.finditer(sass)]
     loops = []  # (start, end) offsets of loop bodies
     for offset, opcode, text in code:
-        target = re.search(r"BRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", text) if opcode.startswith("BRA") else None
+        if not opcode.startswith("BRA"):
+            continue
+        target = re.search(r"BRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", text)
         if target and int(target[1], 16) < offset:
             loops.append((int(target[1], 16), offset))
     cuts = sorted({0, *(a for a, _ in loops), *(b + 16 for _, b in loops)})
