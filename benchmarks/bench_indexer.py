@@ -116,13 +116,12 @@ def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, resu
     out = torch.empty_like(got)
     run = lambda **kw: graph_timed(lambda: triton_indexer.launch_topk(logits, k, out, **kw), per_graph)  # noqa: E731
     # with --wide, every program that can take the rows, at its default geometry
-    # (the in-register program is built for rows of up to 8192 columns)
-    programs = ("registers",) * (width <= 8192) + ("split",) * (width > triton_indexer.TOPK_CHUNK) + ("looped",)
+    programs = (("registers",) * (width <= triton_indexer.TOPK_MAX_WIDTH)
+                + ("split",) * (width > triton_indexer.TOPK_CHUNK) + ("looped",))
     row["programs"] = {p: run(program=p) for p in programs} if wide else {}
     if sweep:
-        # the in-register program by warps; the looped one (rows past TOPK_MAX_WIDTH; here also at
-        # the widths the in-register one takes, from 2048 columns) by chunk and warps; by pieces
-        # (rows past TOPK_MAX_WIDTH) of 2048 and 4096 columns
+        # the in-register program by warps; the looped one (here from 2048 columns) by chunk and
+        # warps; by pieces of 2048 and 4096 columns (rows past TOPK_MAX_WIDTH)
         row["sweep"] = {w: run(num_warps=w, program="registers")
                         for w in (1, 2, 4, 8, 16)} if width <= triton_indexer.TOPK_MAX_WIDTH else {}
         row["looped"] = {f"{chunk}/{w}w": run(num_warps=w, chunk=chunk, program="looped")

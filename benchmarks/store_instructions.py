@@ -42,10 +42,10 @@ UNIT = ("weight_stride", "freqs_stride1", "positions_stride", "out_loc_stride")
 ALIGNED = ("kv_ptr", "weight_ptr", "freqs_ptr", "positions_ptr", "out_loc_ptr", "cache_ptr", "kv_stride",
            "freqs_stride0", "page_stride")
 INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
-#: an instruction line of ``cuobjdump -sass``: its byte offset in a comment, an optional predicate,
-#: the opcode (``triton.tools.disasm.get_sass`` is not used: it stops at offset 0x10000, the
-#: 4096th instruction)
-SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+#: an instruction line of ``cuobjdump -sass``: its byte offset in a comment (group 1), an optional
+#: predicate, the instruction (group 2) and its opcode (group 3) (``triton.tools.disasm.get_sass``
+#: is not used: it stops at offset 0x10000, the 4096th instruction)
+SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(([A-Z][A-Z0-9_.]*)[^;]*);", re.M)
 
 
 def compiled_store(kv_format: str, block_t: int, num_warps: int, hardware: bool, arch: int,
@@ -78,8 +78,8 @@ def instructions(compiled, sass: bool = False) -> collections.Counter:
     """The instructions of a compiled program, by opcode: its PTX (``sass``: its machine code)."""
     if not sass:
         return collections.Counter(INSTRUCTION.findall(compiled.asm["ptx"]))
-    found = SASS_INSTRUCTION.findall(cuobjdump(compiled, "-sass"))
-    return collections.Counter(name for name in found if name != "NOP")
+    found = SASS_INSTRUCTION.finditer(cuobjdump(compiled, "-sass"))
+    return collections.Counter(line[3] for line in found if line[3] != "NOP")
 
 
 def resources(compiled) -> tuple[int, int]:

@@ -3,9 +3,10 @@
 The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
 Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
 re-assigned ``constexpr``. Here each provider entry point runs on CPU tensors with its launches
-recorded instead of run. Each recorded launch gives the kernel's signature (tensor dtypes, int
-widths) and its ``constexpr`` values, and ``triton.compile`` builds it for an SM80 and an SM90
-target, through PTX to a cubin, with the ``ptxas`` that Triton ships.
+recorded instead of run (``kernels/triton_offline.py``). Each recorded launch gives the kernel's
+signature (tensor dtypes, int widths, Triton's specialisation of 1 and of multiples of 16) and its
+``constexpr`` values, and ``triton.compile`` builds it for an SM80 and an SM90 target, through PTX
+to a cubin, with the ``ptxas`` that Triton ships.
 
 The launches take the choices a GPU of that capability gets: the launch geometries
 (``triton_attention``'s Hopper class or not), 3xTF32 indexer logits, and the fp8 / bf16
@@ -31,50 +32,9 @@ if not triton.__version__.startswith(CHECKED_TRITON):
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import layout  # noqa: E402
-from dsv4_compile.kernels import flashmla_schedule, triton_attention, triton_common, triton_indexer, triton_store  # noqa: E402
-
-#: Triton's names of the tensor dtypes the kernels take
-POINTER_TYPES = {
-    torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-    torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1",
-}
-OPTIONS = ("num_warps", "num_stages")
-
-
-class Recorder:
-    """Stands in for ``triton_common.eager(kernel)``: ``[grid](*args, **kwargs)`` records the launch."""
-
-    def __init__(self, launches: list, kernel):
-        self.launches, self.kernel = launches, kernel
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
-
-
-def argument_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {value!r}")
-
-
-def specialization(kernel, args, kwargs) -> tuple:
-    """``(signature, constexprs, options)`` of one recorded launch, by the kernel's parameter names."""
-    names = kernel.arg_names
-    unknown = sorted(set(kwargs) - set(names) - set(OPTIONS))
-    assert not unknown, f"{kernel.fn.__name__} has no parameter {unknown}"
-    constexprs = {name: value for name, value in kwargs.items() if name not in OPTIONS}
-    signature = {name: argument_type(value) for name, value in zip(names, args)}
-    signature.update({name: "constexpr" for name in constexprs})
-    missing = [name for name in names if name not in signature]
-    assert not missing, f"{kernel.fn.__name__} launched without {missing}"
-    options = {name: kwargs[name] for name in OPTIONS if name in kwargs}
-    return signature, constexprs, options
+from dsv4_compile.kernels import (  # noqa: E402
+    flashmla_schedule, triton_attention, triton_indexer, triton_offline, triton_store,
+)
 
 
 def calls():
@@ -123,40 +83,23 @@ def calls():
         yield triton_indexer.indexer_topk, (torch.randn(3, width), k)
 
 
-def recorded_launches(monkeypatch, capability: tuple[int, int]) -> list:
-    """The launches of :func:`calls` as a GPU of ``capability`` makes them."""
-    launches = []
-    recorder = lambda kernel: Recorder(launches, kernel)  # noqa: E731
-    monkeypatch.setattr(triton_common, "eager", recorder)
-    monkeypatch.setattr(triton_attention, "_eager", recorder)  # bound to triton_common.eager at import
-    monkeypatch.setattr(triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed)
-    monkeypatch.setattr(triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10))
-    for entry, args in calls():
-        entry(*args)
-    return launches
-
-
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
-def test_every_kernel_compiles(monkeypatch, capability, request):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def test_every_kernel_compiles(capability, request):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
     for module in (triton_store, triton_attention, flashmla_schedule, triton_indexer):
         module._triton()
-    launches = recorded_launches(monkeypatch, capability)
+    with triton_offline.recorded(capability) as launches:
+        for entry, args in calls():
+            entry(*args)
     seen, compiled = set(), {}
     for kernel, args, kwargs in launches:
-        signature, constexprs, options = specialization(kernel, args, kwargs)
-        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        signature, constexprs, attrs, options = triton_offline.specialization(kernel, args, kwargs)
+        key = (kernel.fn.__name__, repr((signature, constexprs, attrs, options)))
         if key in seen:
             continue
         seen.add(key)
-        binary = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-            target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32), options=options,
-        )
+        binary = triton_offline.compile_launch(kernel, args, kwargs, capability[0] * 10 + capability[1])
         assert binary.asm["cubin"], kernel.fn.__name__
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",

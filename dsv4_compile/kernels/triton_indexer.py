@@ -134,7 +134,8 @@ def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key
     prefix sum counts the keys above (low 16 bits) and equal (high bits) up to each column."""
     above = in_row & (key > prefix)
     equal = in_row & (key == prefix)
-    both = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+    counts = above.to(tl.int32) + (equal.to(tl.int32) << 16)
+    both = tl.cumsum(counts, axis=0)
     rank = equal_seen + (both >> 16)  # equal keys up to this column, this one included
     take = above | (equal & (rank <= need))
     # columns taken up to this one: those before, the keys above up to here, the equal ones up to
@@ -144,7 +145,7 @@ def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key
     tl.store(out_row + slot, cols.to(out_row.dtype.element_ty), mask=take)
     if KEYS_OUT:
         tl.store(key_row + slot, key.to(tl.int32, bitcast=True), mask=take)
-    total = tl.sum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+    total = tl.sum(counts, axis=0)
     seen = equal_seen + (total >> 16)
     return taken + (total & 0xFFFF) + tl.minimum(seen, need) - done, seen
 
@@ -332,7 +333,7 @@ def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> Non
 def _launch_in_registers(x, col, out, width, k, x_t, x_m, keys_in, num_warps) -> None:
     """The in-register program over rows of ``width`` columns: float32 logits, or with ``keys_in``
     a candidate list (keys ``x``, columns ``col``), one program per row writing ``out``."""
-    # never narrower than the histograms' 256 bins (the geometry narrow rows are tested in)
+    # never narrower than 256 columns (the geometry narrow rows are tested in)
     block = max(256, triton.next_power_of_2(width))
     triton_common.eager(_topk_kernel)[(x.shape[0],)](
         x, col, out, out, width, k, x_t, x_m, out.stride()[0],
