@@ -1,6 +1,6 @@
 """The portable Triton decode / prefill kernels against FlashMLA on CUDA.
 
-    PYTHONPATH=. python benchmarks/bench_triton_attention.py [--json out.json] [--sweep]
+    PYTHONPATH=. python benchmarks/bench_triton_attention.py [--json out.json] [--sweep | --grid]
 
 Decode: H=64, an SWA cache (P=256, 128 keys per row) plus a c4 compressed extra cache (P=64, 512
 keys), T rows in {1, 8, 64, 256}, random lengths and sink. Prefill: s_q=4096, s_kv=8192, H=64,
@@ -32,6 +32,7 @@ FlashMLA's throughput, as bars.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -46,14 +47,22 @@ from common import DEV, decode_inputs
 
 SCALE = layout.HEAD_DIM**-0.5
 FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
-#: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages), around the
-#: defaults. Every decode geometry spills on SM90 (``kernel_sass.py decode``: 16 to 1,720 stack
-#: bytes per thread; the default 728); one stage has nothing to pipeline when a split holds one block.
+#: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages[, extra_stages]),
+#: around the defaults. Every decode geometry spills on SM90 (``kernel_sass.py decode``: 16 to 1,720
+#: stack bytes per thread; the default 600); ``decode_loop_stages`` takes one stage wherever a split
+#: holds one key block, whatever the geometry says.
 DECODE_SWEEP = [ta.Config(*c) for c in (
-    (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (32, 32, 8, 2),
-    (32, 64, 4, 2),
+    (64, 32, 8, 1), (64, 32, 8, 2, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 8, 2, 1), (64, 64, 4, 2, 1),
+    (32, 32, 8, 1), (32, 32, 8, 2),
 )]
 MIN_SPLIT_KEYS_SWEEP = (32, 64, 128, 256, 640)
+#: ``--grid`` (decode at T = 1, 2, 4, 6, 8): every combination of these geometries and split sizes,
+#: each output checked against the default launch's.
+GRID_CONFIGS = [ta.Config(*c) for c in (
+    (64, 64, 8, 2, 1), (64, 32, 8, 2, 1), (32, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1),
+)]
+GRID_MIN_SPLIT_KEYS = (32, 64)
+GRID_ROWS = (1, 2, 4, 6, 8)
 PREFILL_SWEEP = [ta.Config(*c) for c in (
     (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2),
 )]
@@ -83,14 +92,21 @@ def flashmla_available() -> bool:
 
 def with_setting(name: str, value, fn):
     """``fn`` run with ``triton_attention.<name>`` set to ``value``."""
+    return with_settings({name: value}, fn)
+
+
+def with_settings(values: dict, fn):
+    """``fn`` run with each ``triton_attention.<name>`` of ``values`` set to its value."""
 
     def run():
-        saved = getattr(ta, name)
-        setattr(ta, name, value)
+        saved = {name: getattr(ta, name) for name in values}
+        for name, value in values.items():
+            setattr(ta, name, value)
         try:
             return fn()
         finally:
-            setattr(ta, name, saved)
+            for name, value in saved.items():
+                setattr(ta, name, value)
 
     return run
 
@@ -120,7 +136,8 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
     nbytes = 2 * q.numel() * 2 + keys * layout.TOKEN_BYTES + 4 * (idx.numel() + eidx.numel()) + 4 * rows * heads
     roof = roofline_us(nbytes, 4 * heads * 512 * keys, copy, peak)
     result = {
-        "rows": rows, "heads": heads, "splits": ta.decode_plan(q.device, rows, heads, 640)[2],
+        "rows": rows, "heads": heads, "heads_per_program": ta.decode_plan(q.device, rows, heads, 640)[1],
+        "splits": ta.decode_plan(q.device, rows, heads, 640)[2],
         "keys": keys, "bytes": nbytes, "roofline_us": roof,
         "triton_graph_us": graph_us(triton_call), "triton_eager_us": eager_us(triton_call),
     }
@@ -142,10 +159,36 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
         result["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
         result["max_abs_diff_lse"] = (got[1] - want[1]).abs().max().item()
     if do_sweep:
-        result["sweep"] = sweep("DECODE_CONFIG", DECODE_SWEEP, triton_call)
+        # each geometry at every T (not replaced by DECODE_CONFIG_FEW_ROWS at small T)
+        result["sweep"] = sweep("DECODE_CONFIG", DECODE_SWEEP, with_setting("DECODE_CONFIG_FEW_ROWS", None, triton_call))
         if rows < 256:
             result["sweep"] += sweep("MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_SWEEP, triton_call)
     return result
+
+
+def grid(rows: int, heads: int) -> list[dict]:
+    """Graph time of the decode at ``rows`` for every combination of :data:`GRID_CONFIGS` and
+    :data:`GRID_MIN_SPLIT_KEYS`, with the largest difference of its output from the default
+    launch's (the key blocks' order changes the rounding, nothing else)."""
+    q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)
+    args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
+    want = ta.flash_mla_with_kvcache(*args)
+    out = []
+    for config, min_keys in itertools.product(GRID_CONFIGS, GRID_MIN_SPLIT_KEYS):
+        settings = {"DECODE_CONFIG": config, "DECODE_CONFIG_FEW_ROWS": None, "MIN_SPLIT_KEYS": min_keys}
+        call = with_settings(settings, lambda: ta.flash_mla_with_kvcache(*args))
+        plan = with_settings(settings, lambda: ta.decode_plan(q.device, rows, heads, 640))()
+        row = {"rows": rows, "config": f"{tuple(vars(config).values())}", "min_split_keys": min_keys,
+               "programs": rows * -(-heads // plan[1]) * plan[2], "splits": plan[2]}
+        try:
+            got = call()
+            row["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
+            row["max_abs_diff_lse"] = (got[1] - want[1]).abs().max().item()
+            row["us"] = graph_us(call)
+        except Exception as exc:  # a geometry the GPU cannot hold (shared memory, registers)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        out.append(row)
+    return out
 
 
 def bench_prefill(heads: int, topk: int, flashmla: bool, do_sweep: bool, copy: float, peak: float) -> dict:
@@ -226,6 +269,7 @@ def plot(after: dict, path: str, before: dict | None = None) -> None:
     right.plot([-0.5, len(names) - 1.5], [0.7, 0.7], "k--", label="goal (decode 0.7)")
     right.plot([len(names) - 1.5, len(names) - 0.5], [0.6, 0.6], "k:", label="goal (prefill 0.6)")
     right.set_ylabel("Triton throughput / FlashMLA's")
+    right.set_ylim(0, 1.0)  # room for the legend above the goals
     for ax in (left, right):
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.legend(fontsize=7)
@@ -242,9 +286,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry of the sweep")
+    parser.add_argument("--grid", action="store_true", help="only the decode grid (GRID_*)")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 MMA rate of the GPU")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.grid:
+        rows = [r for t in GRID_ROWS for r in grid(t, 64)]
+        print(table(rows, ["rows", "config", "min_split_keys", "programs", "splits", "us", "max_abs_diff_out",
+                           "max_abs_diff_lse", "error"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "triton": triton.__version__,
+                           "device": torch.cuda.get_device_name(), "grid": rows}, f, indent=1)
+        return
     flashmla = flashmla_available()
     device = torch.device(DEV, torch.cuda.current_device())
     copy = copy_rate(device) / 1e12  # TB/s read + written
@@ -263,7 +317,7 @@ def main():
     print(f"{report['device']}, torch {report['torch']}, triton {report['triton']}")
     print(f"\ndecode (H=64, SWA 128 keys P=256 + c4 512 keys P=64), us per call; {report['decode_config']}")
     print(f"copy {copy:.2f} TB/s, peak {args.peak_tflops} TFLOP/s")
-    print(table(report["decode"], ["rows", "splits", "triton_graph_us", "flashmla_graph_us", "ratio", "roofline_us",
+    print(table(report["decode"], ["rows", "heads_per_program", "splits", "triton_graph_us", "flashmla_graph_us", "ratio", "roofline_us",
                                    "triton_of_roofline", "flashmla_of_roofline", "triton_eager_us", "flashmla_eager_us",
                                    "max_abs_diff_out", "max_abs_diff_lse"]))
     print(f"\nprefill (s_q 4096, s_kv 8192, H 64, top-k 640); {report['prefill_config']}")

@@ -1,11 +1,11 @@
 """Where a Triton kernel's instructions are: its machine code by region (prologue, each loop, the
 code between), counted offline; no GPU needed.
 
-    python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--top 8]
+    python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8]
     python benchmarks/kernel_sass.py prefill | topk [--width 4096]
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
-choices a GPU of ``--arch`` gets, and each launch is compiled as Triton specialises the real one
+choices a GPU of ``--arch`` with ``--sms`` SMs gets, and each launch is compiled as Triton specialises the real one
 (:mod:`dsv4_compile.kernels.triton_offline`, as ``tests/test_triton_compile.py`` does). The cubin is
 disassembled with ``cuobjdump -sass`` (:mod:`store_instructions`), NOPs left out, and cut at every
 backward branch: a region that ends in one is a loop body, and what a program issues is the
@@ -32,12 +32,12 @@ from dsv4_compile.kernels import triton_attention, triton_indexer, triton_offlin
 from store_instructions import SASS_INSTRUCTION, cuobjdump, resources  # this directory's tool
 
 
-def launches(case: str, rows: int, width: int, capability: tuple[int, int]) -> list:
+def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int) -> list:
     """``(kernel, args, kwargs)`` of each launch of ``case`` on CPU tensors, as a GPU of
-    ``capability`` makes them."""
+    ``capability`` with ``sms`` SMs makes them."""
     bf16 = dict(dtype=torch.bfloat16)
     triton_indexer._triton()  # (its launcher takes the jitted kernels; the attention entries jit their own)
-    with triton_offline.recorded(capability) as recorded:
+    with triton_offline.recorded(capability, sms) as recorded:
         if case == "decode":
             cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
             q = torch.randn(rows, 1, 64, 512, **bf16)
@@ -83,9 +83,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--width", type=int, default=4096, help="top-k: columns of the row")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
+    parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (132: H100 / H200 SXM)")
     parser.add_argument("--top", type=int, default=8, help="opcodes listed per region")
     args = parser.parse_args()
-    for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10)):
+    for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10), args.sms):
         program = triton_offline.compile_launch(kernel, call, kwargs, args.arch)
         registers, stack = resources(program)
         found = regions(cuobjdump(program, "-sass"))

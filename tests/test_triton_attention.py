@@ -82,6 +82,7 @@ def splits(monkeypatch):
     def force(n):
         base = ta.decode_config
         monkeypatch.setattr(ta, "decode_config", lambda device: dataclasses.replace(base(device), block_n=32))
+        monkeypatch.setattr(ta, "DECODE_CONFIG_FEW_ROWS", None)
         monkeypatch.setattr(ta, "_parallelism", lambda device: n * 1_000_000)
         monkeypatch.setattr(ta, "MAX_SPLITS", n)
         monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 1)
@@ -271,6 +272,7 @@ def test_decode_matches_reference(device, name, splits):
 
 SMALL_CONFIGS = {
     "small": ta.DECODE_CONFIG_SMALL,  # the non-SM90 geometry
+    "few_rows": ta.DECODE_CONFIG_FEW_ROWS,  # SM90's for few rows
     "h16n32w4s1": ta.Config(block_h=16, block_n=32, num_warps=4, num_stages=1),
     "h16n32w4s2": ta.Config(block_h=16, block_n=32, num_warps=4, num_stages=2),
 }
@@ -503,6 +505,41 @@ def test_decode_splits_fill_the_device_once(monkeypatch):
     assert ta.decode_splits(cuda, 256, 640, 32) == 1
     assert ta.decode_splits(cuda, 1, 64 * 1024, 32) == ta.MAX_SPLITS
     assert ta.decode_splits(cuda, 1, 0, 32) == 1
+
+
+@pytest.mark.parametrize("rows, stages", [(1, (1, 1)), (8, (1, 1)), (64, (None, 1)), (256, (None, 1))])
+def test_decode_loop_stages(rows, stages):
+    """As launched for an H200 (132 SMs): both key loops at one stage where every split holds one
+    key block (T = 1 and 8 over 128 + 512 keys: 10 splits), else the main loop at the launch's
+    ``num_stages`` (None) and the extra-cache loop at ``DECODE_CONFIG.extra_stages``."""
+    from dsv4_compile.kernels import triton_offline
+
+    ta._triton()
+    cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
+    q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(rows, 1, 100, dtype=torch.int32)  # padded to 128: two 64-key blocks
+    x_idx = torch.zeros(rows, 1, 512, dtype=torch.int32)
+    with triton_offline.recorded((9, 0), 132) as launches:
+        ta.flash_mla_with_kvcache(q, cache, 256, idx, None, None, extra, 64, x_idx, None, None, None, SCALE, 512)
+    kernel, _, kwargs = launches[0]
+    assert kernel.fn.__name__ == "_decode_kernel"
+    assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
+    assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 641) == (None, ta.DECODE_CONFIG.extra_stages)
+
+
+def test_decode_few_rows_geometry(monkeypatch):
+    """On SM90 (as the interpreter), 32-head programs while they fill the device at most once with
+    every row split as far as its keys allow; the 64-head geometry beyond, or for <= 32 heads."""
+    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(ta, "_hopper_class", lambda device: True)
+    few = ta.DECODE_CONFIG_FEW_ROWS
+    assert ta.decode_plan(cuda, 1, 64, 640) == (few, 32, 10)  # 20 programs
+    assert ta.decode_plan(cuda, 6, 64, 640) == (few, 32, 10)  # 120
+    assert ta.decode_plan(cuda, 7, 64, 640) == (ta.DECODE_CONFIG, 64, 10)  # 140 would not fit
+    assert ta.decode_plan(cuda, 1, 32, 640)[0] == ta.DECODE_CONFIG  # one program per row either way
+    monkeypatch.setattr(ta, "_hopper_class", lambda device: False)
+    assert ta.decode_plan(cuda, 1, 64, 640)[0] == ta.DECODE_CONFIG_SMALL
 
 
 def test_decode_launch_is_guard_free_for_symbolic_rows():

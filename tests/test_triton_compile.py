@@ -50,13 +50,17 @@ def calls():
         )
         yield triton_store.quantize_store, (kv, slots, cache, 8, kv_format)
     cache = layout.alloc_cache(4, 64, "cpu")
-    for rows, extra, lengths in ((1, True, True), (64, False, False)):  # split (+ combine) and not
+    # split (+ combine) into one-block splits (one-stage loops), into splits of several blocks, by
+    # the few-rows geometry on SM90, and not split (4 SMs while recorded)
+    cases = ((1, True, True, 128), (2, True, False, 512), (1, False, False, 0), (64, False, False, 0))
+    for rows, extra, lengths, x_width in cases:
         q = torch.randn(rows, 1, 64, 512, generator=g, **bf16)
         idx = torch.randint(0, 256, (rows, 1, 128), dtype=torch.int32, generator=g)
+        x_idx = torch.randint(0, 256, (rows, 1, x_width), dtype=torch.int32, generator=g)
         length = torch.full((rows,), 100, dtype=torch.int32) if lengths else None
         yield triton_attention.flash_mla_with_kvcache, (
             q, cache, 64, idx, length, torch.zeros(64) if lengths else None,
-            cache if extra else None, 64, idx if extra else None, length if extra else None,
+            cache if extra else None, 64, x_idx if extra else None, length if extra else None,
             None, None, 0.05, 512, "v4", "v4.1-fp4" if extra else None,
         )
     for dim in (512, 576):

@@ -17,6 +17,10 @@ entries padded to whole key blocks, so that no block holds keys of both caches),
 its part of the extra ones (each cache with its own page size, stride and format). The lengths
 are read in-kernel, so the chunks balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
 one split per key block), so nothing is read on the host and launches are capture-safe.
+The launch geometry is a function of shapes too (:func:`decode_plan`): on SM90 / SM100 64 heads
+per program, or 32 where that many programs still fill the device once (few rows); elsewhere 32.
+Where every split holds one key block the key loops are not software-pipelined, and the
+extra-cache loop is not pipelined on SM90 / SM100 (:func:`decode_loop_stages`).
 
 Keys are dequantized in registers, exactly (V4.1: an e4m3 value times its UE8M0 scale, or an
 e2m1 value times its e4m3 scale, is a bf16 value; V4 as follows)::
@@ -79,12 +83,15 @@ MAX_SPLITS = 32
 
 @dataclass(frozen=True)
 class Config:
-    """Launch geometry: heads and keys per program step, warps, software-pipeline stages."""
+    """Launch geometry: heads and keys per program step, warps, software-pipeline stages
+    (``extra_stages``: of the decode's extra-cache loop, None for ``num_stages``; see
+    :func:`decode_loop_stages`)."""
 
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
+    extra_stages: int | None = None
 
     def __post_init__(self):
         # 16-key blocks gave wrong decode results on the H200 (Triton 3.6, SM90) while 32 and up
@@ -94,8 +101,16 @@ class Config:
 
 
 #: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
-#: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8).
-DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2)
+#: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8). The extra-cache loop
+#: is not pipelined: pipelined, it spills its shared-memory descriptors and reloads them every
+#: block (H200: 1.25x the time at T = 64 with two stages).
+DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
+#: Decode on SM90 / SM100 over few rows: 32 heads per program (two per 64 heads, ``mma.sync``), 64
+#: keys per step, taken where its programs, each row split as far as its keys allow, still fill
+#: the device at most once (:func:`decode_plan`). H200, 64 heads over 640 keys: 1.15x the 64-head
+#: geometry at T = 1 to 4 (20 to 80 programs), 0.84x at T = 8 (128 programs, fewer splits). None:
+#: always the geometry of :func:`decode_config`.
+DECODE_CONFIG_FEW_ROWS: Config | None = Config(block_h=32, block_n=64, num_warps=8, num_stages=1)
 #: Decode elsewhere (mma.sync GPUs: SM80/86/89/120; AMD, Intel): 32 heads per program, as 64
 #: spill ~0.9 KB per thread on SM80 (ptxas).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
@@ -273,7 +288,7 @@ def _attend(
     acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, j0, j1, scale_log2,
     cache_ptr, page_size, page_shift, page_stride, idx_ptr, idx_stride,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
-    POW2: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr,
+    POW2: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Accumulate the keys of index entries ``[j0, j1)`` of one cache: format ``FMT`` (0: V4,
     1: V4.1 FP8, 2: V4.1 FP4), tokens of ``DATA_BYTES`` then ``SCALE_BYTES``, ``INTERLEAVED`` or
@@ -281,7 +296,7 @@ def _attend(
     outputs in the four column pieces ``_C0 .. _C3``: each key piece is dequantized, multiplied
     into the scores and later into its output piece, and never concatenated with the others
     (a whole ``[BN, 512]`` tile in registers spilled on SM90)."""
-    for b0 in range(j0, j1, BLOCK_N):
+    for b0 in tl.range(j0, j1, BLOCK_N, num_stages=STAGES):
         j = b0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
         valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
@@ -362,7 +377,8 @@ def _decode_kernel(
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
     POW2: tl.constexpr, X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr,
-    X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr,
+    X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
+    X_STAGES: tl.constexpr,
 ):
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
@@ -410,13 +426,13 @@ def _decode_kernel(
     acc0, acc1, acc2, acc3, m, l = _attend(
         acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
         cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
-        FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW,
+        FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW, STAGES,
     )
     if HAS_EXTRA:
         acc0, acc1, acc2, acc3, m, l = _attend(
             acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
             x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
-            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW,
+            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW, X_STAGES,
         )
 
     lse2, inv_l = _lse2_and_inverse(m, l)
@@ -550,21 +566,46 @@ def _units(device_type: str, index: int | None) -> int:
     return 4
 
 
+def _split_cap(keys: int, block_n: int) -> int:
+    """Most splits of a row of ``keys`` index columns: at least :data:`MIN_SPLIT_KEYS` (and one
+    key block) each, at most :data:`MAX_SPLITS`."""
+    per_split = max(MIN_SPLIT_KEYS, block_n)
+    return max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
+
+
 def decode_splits(device: torch.device, programs, keys: int, block_n: int):
     """Splits of each row's keys: enough programs to fill the device once, with at least
     :data:`MIN_SPLIT_KEYS` (and one key block) per split, at most :data:`MAX_SPLITS`. A function of
     shapes only; guard-free for symbolic ``programs``."""
-    per_split = max(MIN_SPLIT_KEYS, block_n)
-    cap = max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
+    cap = _split_cap(keys, block_n)
     return torch.sym_max(1, torch.sym_min(cap, _parallelism(device) // torch.sym_max(programs, 1)))
 
 
 def decode_plan(device: torch.device, rows, heads: int, keys: int):
     """``(config, heads per program, splits)`` of a decode launch over ``rows`` query rows of
-    ``heads`` heads and ``keys`` index columns (main + extra)."""
+    ``heads`` heads and ``keys`` index columns (main + extra): :func:`decode_config`'s geometry,
+    or :data:`DECODE_CONFIG_FEW_ROWS` on SM90 / SM100 where its programs, every row split
+    :func:`_split_cap` times, fit in the device once. A symbolic row count (traced with dynamic
+    shapes) keeps :func:`decode_config`'s: no guard."""
     config = decode_config(device)
+    few = DECODE_CONFIG_FEW_ROWS
+    if few is not None and isinstance(rows, int) and _hopper_class(device) and heads > few.block_h:
+        if rows * -(-heads // few.block_h) * _split_cap(keys, few.block_n) <= _parallelism(device):
+            config = few
     block_h = _block_h(config, heads)
     return config, block_h, decode_splits(device, rows * -(-heads // block_h), keys, config.block_n)
+
+
+def decode_loop_stages(config: Config, splits, keys: int) -> tuple[int | None, int | None]:
+    """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
+    (None: the launch's ``num_stages``), for ``splits`` of a virtual key list of at most ``keys``
+    (the main width padded to whole key blocks, plus the extra width). Where every split holds at
+    most one key block there is nothing to overlap, and both loops take one stage (H200: 1.2x
+    faster at T = 1 and 8); otherwise the main loop takes ``num_stages`` and the extra loop
+    ``config.extra_stages``. A symbolic split count (traced) takes the latter: no guard."""
+    if isinstance(splits, int) and keys <= splits * config.block_n:
+        return 1, 1
+    return None, config.extra_stages
 
 
 def _partial_mode(splits) -> int:
@@ -610,6 +651,9 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     has_extra = extra_k_cache is not None
     keys = indices.shape[-1] + (extra_indices.shape[-1] if has_extra else 0)
     config, block_h, splits = decode_plan(q.device, rows, heads, keys)
+    width = int(indices.shape[-1])  # index widths are specialised
+    padded = -(-width // config.block_n) * config.block_n + int(keys) - width
+    stages, x_stages = decode_loop_stages(config, splits, padded)
     head_blocks = -(-heads // block_h)
     partial = _partial_mode(splits)
     split = partial > 0
@@ -640,6 +684,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _decode_kernel),
+        STAGES=stages, X_STAGES=x_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

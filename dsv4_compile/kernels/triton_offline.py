@@ -28,9 +28,10 @@ OPTIONS = ("num_warps", "num_stages")
 
 
 @contextlib.contextmanager
-def recorded(capability: tuple[int, int]):
+def recorded(capability: tuple[int, int], units: int | None = None):
     """Within it, the Triton launches of the kernel modules append ``(kernel, args, kwargs)`` to
-    the yielded list instead of running, as a GPU of ``capability`` makes them."""
+    the yielded list instead of running, as a GPU of ``capability`` makes them; with ``units``
+    SMs if given (the decode's splits and loop stages depend on them; else 4)."""
     launches = []
 
     class Recorder:  # stands in for triton_common.eager(kernel): [grid](*args, **kwargs) records
@@ -46,6 +47,8 @@ def recorded(capability: tuple[int, int]):
         (triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed),
         (triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10)),
     ]
+    if units is not None:
+        patches.append((triton_attention, "_parallelism", lambda device: units))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
