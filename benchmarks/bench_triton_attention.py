@@ -1,6 +1,6 @@
 """The portable Triton decode / prefill kernels against FlashMLA on CUDA.
 
-    PYTHONPATH=. python benchmarks/bench_triton_attention.py [--json out.json] [--sweep | --grid]
+    PYTHONPATH=. python benchmarks/bench_triton_attention.py [--json out.json] [--sweep | --grid | --combine]
 
 Decode: H=64, an SWA cache (P=256, 128 keys per row) plus a c4 compressed extra cache (P=64, 512
 keys), T rows in {1, 8, 64, 256}, random lengths and sink. Prefill: s_q=4096, s_kv=8192, H=64,
@@ -63,6 +63,8 @@ GRID_CONFIGS = [ta.Config(*c) for c in (
 )]
 GRID_MIN_SPLIT_KEYS = (32, 64)
 GRID_ROWS = (1, 2, 4, 6, 8)
+#: ``--combine`` (decode at T = 1, 8, 64): the combine's tile, heads x columns.
+COMBINE_SWEEP = ((16, 128), (8, 128), (16, 64), (8, 64), (4, 128))
 PREFILL_SWEEP = [ta.Config(*c) for c in (
     (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2),
 )]
@@ -191,6 +193,24 @@ def grid(rows: int, heads: int) -> list[dict]:
     return out
 
 
+def combine_sweep(rows: int, heads: int) -> list[dict]:
+    """Graph time of the decode (split, then combined) at ``rows`` for each combine geometry of
+    :data:`COMBINE_SWEEP`, with the largest difference of its output from the default's."""
+    q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)
+    args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
+    want = ta.flash_mla_with_kvcache(*args)
+    out = []
+    for block_h, block_d in COMBINE_SWEEP:
+        settings = {"COMBINE_BLOCK_H": block_h, "COMBINE_BLOCK_D": block_d}
+        call = with_settings(settings, lambda: ta.flash_mla_with_kvcache(*args))
+        row = {"rows": rows, "combine": f"{block_h} x {block_d}"}
+        got = call()
+        row["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
+        row["us"] = graph_us(call)
+        out.append(row)
+    return out
+
+
 def bench_prefill(heads: int, topk: int, flashmla: bool, do_sweep: bool, copy: float, peak: float) -> dict:
     s_q, s_kv = 4096, 8192
     q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16, device=DEV)
@@ -287,6 +307,7 @@ def main():
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry of the sweep")
     parser.add_argument("--grid", action="store_true", help="only the decode grid (GRID_*)")
+    parser.add_argument("--combine", action="store_true", help="only the combine sweep (COMBINE_SWEEP)")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 MMA rate of the GPU")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -298,6 +319,14 @@ def main():
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "triton": triton.__version__,
                            "device": torch.cuda.get_device_name(), "grid": rows}, f, indent=1)
+        return
+    if args.combine:
+        rows = [r for t in (1, 8, 64) for r in combine_sweep(t, 64)]
+        print(table(rows, ["rows", "combine", "us", "max_abs_diff_out"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "triton": triton.__version__,
+                           "device": torch.cuda.get_device_name(), "combine": rows}, f, indent=1)
         return
     flashmla = flashmla_available()
     device = torch.device(DEV, torch.cuda.current_device())

@@ -118,8 +118,10 @@ DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2)
 #: Prefill elsewhere: 32 keys per step, no spills on SM80, within smaller shared memories.
 PREFILL_CONFIG_SMALL = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
-#: The combine kernel's tile: heads x output columns per program.
-COMBINE_BLOCK_H, COMBINE_BLOCK_D = 16, 128
+#: The combine kernel's tile: heads x output columns per program (H200, 64 heads: 8 x 128 took
+#: 0.3-0.4 us less than 16 x 128 at T = 1 and 8, the same at T = 64; pipelining its loop over the
+#: splits did not help).
+COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128
 #: Fewest keys a decode split should hold: a split costs a ``[H, 512]`` fp32 partial output
 #: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
 #: 640 keys into 20 tiny splits would move more partial data than keys.
