@@ -56,13 +56,13 @@ DECODE_SWEEP = [ta.Config(*c) for c in (
     (32, 32, 8, 1), (32, 32, 8, 2),
 )]
 MIN_SPLIT_KEYS_SWEEP = (32, 64, 128, 256, 640)
-#: ``--grid`` (decode at T = 1, 2, 4, 6, 8): every combination of these geometries and split sizes,
-#: each output checked against the default launch's.
+#: ``--grid`` (decode at ``GRID_ROWS`` rows): every combination of these geometries and split
+#: sizes, each output checked against the default launch's.
 GRID_CONFIGS = [ta.Config(*c) for c in (
-    (64, 64, 8, 2, 1), (64, 32, 8, 2, 1), (32, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1),
+    (64, 64, 8, 2, 1), (64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 8, 1), (32, 32, 8, 1),
 )]
 GRID_MIN_SPLIT_KEYS = (32, 64)
-GRID_ROWS = (1, 2, 4, 6, 8)
+GRID_ROWS = (1, 2, 4, 6, 8, 64, 256)
 #: ``--combine`` (decode at T = 1, 8, 64): the combine's tile, heads x columns.
 COMBINE_SWEEP = ((16, 128), (8, 128), (16, 64), (8, 64), (4, 128))
 PREFILL_SWEEP = [ta.Config(*c) for c in (
@@ -307,12 +307,13 @@ def main():
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry of the sweep")
     parser.add_argument("--grid", action="store_true", help="only the decode grid (GRID_*)")
+    parser.add_argument("--rows", type=int, nargs="*", help="--grid: these row counts (default GRID_ROWS)")
     parser.add_argument("--combine", action="store_true", help="only the combine sweep (COMBINE_SWEEP)")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 MMA rate of the GPU")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.grid:
-        rows = [r for t in GRID_ROWS for r in grid(t, 64)]
+        rows = [r for t in args.rows or GRID_ROWS for r in grid(t, 64)]
         print(table(rows, ["rows", "config", "min_split_keys", "programs", "splits", "us", "max_abs_diff_out",
                            "max_abs_diff_lse", "error"]))
         if args.json:

@@ -297,8 +297,12 @@ def _attend(
     block-split pages of ``page_size`` (``2^page_shift`` if ``POW2``) tokens. Queries, keys and
     outputs in the four column pieces ``_C0 .. _C3``: each key piece is dequantized, multiplied
     into the scores and later into its output piece, and never concatenated with the others
-    (a whole ``[BN, 512]`` tile in registers spilled on SM90)."""
-    for b0 in tl.range(j0, j1, BLOCK_N, num_stages=STAGES):
+    (a whole ``[BN, 512]`` tile in registers spilled on SM90). Nothing is hoisted out of the loop
+    (``disable_licm``): hoisted, the MMAs' shared-memory descriptors and the per-block address
+    terms lived across the loop, were spilled (664 stack bytes per thread on SM90) and reloaded
+    every block; recomputed, nothing spills and a block issues 11-14% fewer instructions (SM90;
+    H200: 1.17-1.24x the decode at T = 1 .. 256)."""
+    for b0 in tl.range(j0, j1, BLOCK_N, num_stages=STAGES, disable_licm=True):
         j = b0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
         valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
