@@ -48,9 +48,9 @@ from common import DEV, decode_inputs
 SCALE = layout.HEAD_DIM**-0.5
 FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
 #: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages[, extra_stages]),
-#: around the defaults. Every decode geometry spills on SM90 (``kernel_sass.py decode``: 16 to 1,720
-#: stack bytes per thread; the default 600); ``decode_loop_stages`` takes one stage wherever a split
-#: holds one key block, whatever the geometry says.
+#: around the defaults (``kernel_sass.py decode`` counts each one's instructions and stack bytes);
+#: ``decode_loop_stages`` takes one stage wherever a split holds one key block, whatever the
+#: geometry says.
 DECODE_SWEEP = [ta.Config(*c) for c in (
     (64, 32, 8, 1), (64, 32, 8, 2, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 8, 2, 1), (64, 64, 4, 2, 1),
     (32, 32, 8, 1), (32, 32, 8, 2),
@@ -161,8 +161,7 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
         result["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
         result["max_abs_diff_lse"] = (got[1] - want[1]).abs().max().item()
     if do_sweep:
-        # each geometry at every T (not replaced by DECODE_CONFIG_FEW_ROWS at small T)
-        result["sweep"] = sweep("DECODE_CONFIG", DECODE_SWEEP, with_setting("DECODE_CONFIG_FEW_ROWS", None, triton_call))
+        result["sweep"] = sweep("DECODE_CONFIG", DECODE_SWEEP, triton_call)
         if rows < 256:
             result["sweep"] += sweep("MIN_SPLIT_KEYS", MIN_SPLIT_KEYS_SWEEP, triton_call)
     return result
@@ -177,7 +176,7 @@ def grid(rows: int, heads: int) -> list[dict]:
     want = ta.flash_mla_with_kvcache(*args)
     out = []
     for config, min_keys in itertools.product(GRID_CONFIGS, GRID_MIN_SPLIT_KEYS):
-        settings = {"DECODE_CONFIG": config, "DECODE_CONFIG_FEW_ROWS": None, "MIN_SPLIT_KEYS": min_keys}
+        settings = {"DECODE_CONFIG": config, "MIN_SPLIT_KEYS": min_keys}
         call = with_settings(settings, lambda: ta.flash_mla_with_kvcache(*args))
         plan = with_settings(settings, lambda: ta.decode_plan(q.device, rows, heads, 640))()
         row = {"rows": rows, "config": f"{tuple(vars(config).values())}", "min_split_keys": min_keys,

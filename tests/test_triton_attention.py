@@ -82,7 +82,6 @@ def splits(monkeypatch):
     def force(n):
         base = ta.decode_config
         monkeypatch.setattr(ta, "decode_config", lambda device: dataclasses.replace(base(device), block_n=32))
-        monkeypatch.setattr(ta, "DECODE_CONFIG_FEW_ROWS", None)
         monkeypatch.setattr(ta, "_parallelism", lambda device: n * 1_000_000)
         monkeypatch.setattr(ta, "MAX_SPLITS", n)
         monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 1)
@@ -272,7 +271,6 @@ def test_decode_matches_reference(device, name, splits):
 
 SMALL_CONFIGS = {
     "small": ta.DECODE_CONFIG_SMALL,  # the non-SM90 geometry
-    "few_rows": ta.DECODE_CONFIG_FEW_ROWS,  # SM90's for few rows
     "h16n32w4s1": ta.Config(block_h=16, block_n=32, num_warps=4, num_stages=1),
     "h16n32w4s2": ta.Config(block_h=16, block_n=32, num_warps=4, num_stages=2),
 }
@@ -525,21 +523,6 @@ def test_decode_loop_stages(rows, stages):
     assert kernel.fn.__name__ == "_decode_kernel"
     assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
     assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 641) == (None, ta.DECODE_CONFIG.extra_stages)
-
-
-def test_decode_few_rows_geometry(monkeypatch):
-    """On SM90 (as the interpreter), 32-head programs while they fill the device at most once with
-    every row split as far as its keys allow; the 64-head geometry beyond, or for <= 32 heads."""
-    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(ta, "_hopper_class", lambda device: True)
-    few = ta.DECODE_CONFIG_FEW_ROWS
-    assert ta.decode_plan(cuda, 1, 64, 640) == (few, 32, 10)  # 20 programs
-    assert ta.decode_plan(cuda, 6, 64, 640) == (few, 32, 10)  # 120
-    assert ta.decode_plan(cuda, 7, 64, 640) == (ta.DECODE_CONFIG, 64, 10)  # 140 would not fit
-    assert ta.decode_plan(cuda, 1, 32, 640)[0] == ta.DECODE_CONFIG  # one program per row either way
-    monkeypatch.setattr(ta, "_hopper_class", lambda device: False)
-    assert ta.decode_plan(cuda, 1, 64, 640)[0] == ta.DECODE_CONFIG_SMALL
 
 
 def test_decode_launch_is_guard_free_for_symbolic_rows():

@@ -50,10 +50,9 @@ def calls():
         )
         yield triton_store.quantize_store, (kv, slots, cache, 8, kv_format)
     cache = layout.alloc_cache(4, 64, "cpu")
-    # split (+ combine) into one-block splits (one-stage loops), into splits of several blocks, by
-    # the few-rows geometry on SM90, and not split (4 SMs while recorded)
-    cases = ((1, True, True, 128), (2, True, False, 512), (1, False, False, 0), (64, False, False, 0))
-    for rows, extra, lengths, x_width in cases:
+    # split (+ combine) into one-block splits (one-stage loops), into splits of several blocks, and
+    # not split (4 SMs while recorded)
+    for rows, extra, lengths, x_width in ((1, True, True, 128), (2, True, False, 512), (64, False, False, 0)):
         q = torch.randn(rows, 1, 64, 512, generator=g, **bf16)
         idx = torch.randint(0, 256, (rows, 1, 128), dtype=torch.int32, generator=g)
         x_idx = torch.randint(0, 256, (rows, 1, x_width), dtype=torch.int32, generator=g)

@@ -17,10 +17,10 @@ entries padded to whole key blocks, so that no block holds keys of both caches),
 its part of the extra ones (each cache with its own page size, stride and format). The lengths
 are read in-kernel, so the chunks balance the real work; ``num_splits`` comes from shapes only (about one program per SM, at most
 one split per key block), so nothing is read on the host and launches are capture-safe.
-The launch geometry is a function of shapes too (:func:`decode_plan`): on SM90 / SM100 64 heads
-per program, or 32 where that many programs still fill the device once (few rows); elsewhere 32.
-Where every split holds one key block the key loops are not software-pipelined, and the
-extra-cache loop is not pipelined on SM90 / SM100 (:func:`decode_loop_stages`).
+The launch geometry is a function of shapes too (:func:`decode_plan`): 64 heads per program on
+SM90 / SM100, 32 elsewhere. Where every split holds one key block the key loops are not
+software-pipelined, and the extra-cache loop is not pipelined on SM90 / SM100
+(:func:`decode_loop_stages`).
 
 Keys are dequantized in registers, exactly (V4.1: an e4m3 value times its UE8M0 scale, or an
 e2m1 value times its e4m3 scale, is a bf16 value; V4 as follows)::
@@ -102,15 +102,9 @@ class Config:
 
 #: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
 #: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8). The extra-cache loop
-#: is not pipelined: pipelined, it spills its shared-memory descriptors and reloads them every
-#: block (H200: 1.25x the time at T = 64 with two stages).
+#: is not pipelined: with two stages the decode took 1.10x the time at T = 64 and 1.07x at T = 256
+#: on the H200 (1.25x at T = 64 when the loop still hoisted and spilled).
 DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
-#: Decode on SM90 / SM100 over few rows: 32 heads per program (two per 64 heads, ``mma.sync``), 64
-#: keys per step, taken where its programs, each row split as far as its keys allow, still fill
-#: the device at most once (:func:`decode_plan`). H200, 64 heads over 640 keys: 1.15x the 64-head
-#: geometry at T = 1 to 4 (20 to 80 programs), 0.84x at T = 8 (128 programs, fewer splits). None:
-#: always the geometry of :func:`decode_config`.
-DECODE_CONFIG_FEW_ROWS: Config | None = Config(block_h=32, block_n=64, num_warps=8, num_stages=1)
 #: Decode elsewhere (mma.sync GPUs: SM80/86/89/120; AMD, Intel): 32 heads per program, as 64
 #: spill ~0.9 KB per thread on SM80 (ptxas).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
@@ -300,8 +294,8 @@ def _attend(
     (a whole ``[BN, 512]`` tile in registers spilled on SM90). Nothing is hoisted out of the loop
     (``disable_licm``): hoisted, the MMAs' shared-memory descriptors and the per-block address
     terms lived across the loop, were spilled (664 stack bytes per thread on SM90) and reloaded
-    every block; recomputed, nothing spills and a block issues 11-14% fewer instructions (SM90;
-    H200: 1.17-1.24x the decode at T = 1 .. 256)."""
+    every block; recomputed, nothing spills and a block issues 11-12% fewer instructions (SM90;
+    H200: 1.18-1.23x the decode at T = 8 .. 256)."""
     for b0 in tl.range(j0, j1, BLOCK_N, num_stages=STAGES, disable_licm=True):
         j = b0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
@@ -572,32 +566,19 @@ def _units(device_type: str, index: int | None) -> int:
     return 4
 
 
-def _split_cap(keys: int, block_n: int) -> int:
-    """Most splits of a row of ``keys`` index columns: at least :data:`MIN_SPLIT_KEYS` (and one
-    key block) each, at most :data:`MAX_SPLITS`."""
-    per_split = max(MIN_SPLIT_KEYS, block_n)
-    return max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
-
-
 def decode_splits(device: torch.device, programs, keys: int, block_n: int):
     """Splits of each row's keys: enough programs to fill the device once, with at least
     :data:`MIN_SPLIT_KEYS` (and one key block) per split, at most :data:`MAX_SPLITS`. A function of
     shapes only; guard-free for symbolic ``programs``."""
-    cap = _split_cap(keys, block_n)
+    per_split = max(MIN_SPLIT_KEYS, block_n)
+    cap = max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
     return torch.sym_max(1, torch.sym_min(cap, _parallelism(device) // torch.sym_max(programs, 1)))
 
 
 def decode_plan(device: torch.device, rows, heads: int, keys: int):
     """``(config, heads per program, splits)`` of a decode launch over ``rows`` query rows of
-    ``heads`` heads and ``keys`` index columns (main + extra): :func:`decode_config`'s geometry,
-    or :data:`DECODE_CONFIG_FEW_ROWS` on SM90 / SM100 where its programs, every row split
-    :func:`_split_cap` times, fit in the device once. A symbolic row count (traced with dynamic
-    shapes) keeps :func:`decode_config`'s: no guard."""
+    ``heads`` heads and ``keys`` index columns (main + extra)."""
     config = decode_config(device)
-    few = DECODE_CONFIG_FEW_ROWS
-    if few is not None and isinstance(rows, int) and _hopper_class(device) and heads > few.block_h:
-        if rows * -(-heads // few.block_h) * _split_cap(keys, few.block_n) <= _parallelism(device):
-            config = few
     block_h = _block_h(config, heads)
     return config, block_h, decode_splits(device, rows * -(-heads // block_h), keys, config.block_n)
 
@@ -606,8 +587,8 @@ def decode_loop_stages(config: Config, splits, keys: int) -> tuple[int | None, i
     """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
     (None: the launch's ``num_stages``), for ``splits`` of a virtual key list of at most ``keys``
     (the main width padded to whole key blocks, plus the extra width). Where every split holds at
-    most one key block there is nothing to overlap, and both loops take one stage (H200: 1.2x
-    faster at T = 1 and 8); otherwise the main loop takes ``num_stages`` and the extra loop
+    most one key block there is nothing to overlap, and both loops take one stage (H200, before
+    the loops stopped hoisting: 1.2x faster at T = 1 and 8); otherwise the main loop takes ``num_stages`` and the extra loop
     ``config.extra_stages``. A symbolic split count (traced) takes the latter: no guard."""
     if isinstance(splits, int) and keys <= splits * config.block_n:
         return 1, 1
