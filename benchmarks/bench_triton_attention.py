@@ -137,9 +137,9 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
     keys = int(lengths.clamp(max=idx.shape[-1]).sum() + elen.clamp(max=eidx.shape[-1]).sum())  # counted pairs
     nbytes = 2 * q.numel() * 2 + keys * layout.TOKEN_BYTES + 4 * (idx.numel() + eidx.numel()) + 4 * rows * heads
     roof = roofline_us(nbytes, 4 * heads * 512 * keys, copy, peak)
+    _, heads_per_program, splits = ta.decode_plan(q.device, rows, heads, 640)
     result = {
-        "rows": rows, "heads": heads, "heads_per_program": ta.decode_plan(q.device, rows, heads, 640)[1],
-        "splits": ta.decode_plan(q.device, rows, heads, 640)[2],
+        "rows": rows, "heads": heads, "heads_per_program": heads_per_program, "splits": splits,
         "keys": keys, "bytes": nbytes, "roofline_us": roof,
         "triton_graph_us": graph_us(triton_call), "triton_eager_us": eager_us(triton_call),
     }
@@ -346,8 +346,8 @@ def main():
     print(f"{report['device']}, torch {report['torch']}, triton {report['triton']}")
     print(f"\ndecode (H=64, SWA 128 keys P=256 + c4 512 keys P=64), us per call; {report['decode_config']}")
     print(f"copy {copy:.2f} TB/s, peak {args.peak_tflops} TFLOP/s")
-    print(table(report["decode"], ["rows", "heads_per_program", "splits", "triton_graph_us", "flashmla_graph_us", "ratio", "roofline_us",
-                                   "triton_of_roofline", "flashmla_of_roofline", "triton_eager_us", "flashmla_eager_us",
+    print(table(report["decode"], ["rows", "heads_per_program", "splits", "triton_graph_us", "flashmla_graph_us",
+                                   "ratio", "roofline_us", "triton_of_roofline", "flashmla_of_roofline", "triton_eager_us", "flashmla_eager_us",
                                    "max_abs_diff_out", "max_abs_diff_lse"]))
     print(f"\nprefill (s_q 4096, s_kv 8192, H 64, top-k 640); {report['prefill_config']}")
     print(table(report["prefill"], ["heads", "topk", "triton_us", "triton_tflops", "flashmla_us", "flashmla_tflops",

@@ -587,9 +587,10 @@ def decode_loop_stages(config: Config, splits, keys: int) -> tuple[int | None, i
     """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
     (None: the launch's ``num_stages``), for ``splits`` of a virtual key list of at most ``keys``
     (the main width padded to whole key blocks, plus the extra width). Where every split holds at
-    most one key block there is nothing to overlap, and both loops take one stage (H200, before
-    the loops stopped hoisting: 1.2x faster at T = 1 and 8); otherwise the main loop takes ``num_stages`` and the extra loop
-    ``config.extra_stages``. A symbolic split count (traced) takes the latter: no guard."""
+    most one key block there is nothing to overlap, and both loops take one stage (H200, measured
+    while the loops still hoisted: 1.2x faster at T = 1 and 8); otherwise the main loop takes
+    ``num_stages`` and the extra loop ``config.extra_stages``. A symbolic split count (traced)
+    takes the latter: no guard."""
     if isinstance(splits, int) and keys <= splits * config.block_n:
         return 1, 1
     return None, config.extra_stages
