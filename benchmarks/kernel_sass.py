@@ -1,7 +1,7 @@
 """Where a Triton kernel's instructions are: its machine code by region (prologue, each loop, the
 code between), counted offline; no GPU needed.
 
-    python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8]
+    python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8] [--formats v4 v4]
     python benchmarks/kernel_sass.py prefill | topk [--width 4096]
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
@@ -32,20 +32,22 @@ from dsv4_compile.kernels import triton_attention, triton_indexer, triton_offlin
 from store_instructions import SASS_INSTRUCTION, cuobjdump, resources  # this directory's tool
 
 
-def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int) -> list:
+def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int,
+             formats: tuple[str, str] = ("v4", "v4")) -> list:
     """``(kernel, args, kwargs)`` of each launch of ``case`` on CPU tensors, as a GPU of
-    ``capability`` with ``sms`` SMs makes them."""
+    ``capability`` with ``sms`` SMs makes them (the decode's main and extra caches in ``formats``)."""
     bf16 = dict(dtype=torch.bfloat16)
     triton_indexer._triton()  # (its launcher takes the jitted kernels; the attention entries jit their own)
     with triton_offline.recorded(capability, sms) as recorded:
         if case == "decode":
-            cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
+            cache = layout.alloc_cache(4, 256, "cpu", kv_format=formats[0])
+            extra = layout.alloc_cache(16, 64, "cpu", kv_format=formats[1])
             q = torch.randn(rows, 1, 64, 512, **bf16)
             idx = torch.randint(0, 1024, (rows, 1, 128), dtype=torch.int32)
             x_idx = torch.randint(0, 1024, (rows, 1, 512), dtype=torch.int32)
             length = torch.full((rows,), 100, dtype=torch.int32)
             triton_attention.flash_mla_with_kvcache(q, cache, 256, idx, length, torch.zeros(64), extra, 64, x_idx,
-                                                    length * 4, None, None, 0.05, 512, "v4", None)
+                                                    length * 4, None, None, 0.05, 512, *formats)
         elif case == "prefill":
             kv = torch.randn(1024, 1, 512, **bf16)
             idx = torch.randint(0, 1024, (rows, 1, 640), dtype=torch.int32)
@@ -84,9 +86,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096, help="top-k: columns of the row")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
     parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (132: H100 / H200 SXM)")
+    parser.add_argument("--formats", nargs=2, default=["v4", "v4"], choices=list(layout.FORMATS),
+                        help="decode: the main and the extra cache's formats")
     parser.add_argument("--top", type=int, default=8, help="opcodes listed per region")
     args = parser.parse_args()
-    for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10), args.sms):
+    for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10), args.sms,
+                                         tuple(args.formats)):
         program = triton_offline.compile_launch(kernel, call, kwargs, args.arch)
         registers, stack = resources(program)
         found = regions(cuobjdump(program, "-sass"))

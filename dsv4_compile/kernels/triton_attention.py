@@ -211,12 +211,12 @@ def _e4m3_scale(code, HW: tl.constexpr):
 
 
 def _e2m1_values(code):
-    """e2m1 codes (int32 0..15, bit 3 the sign) as fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    e = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    power = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1)
-    magnitude = tl.where(e == 0, mantissa * 0.5, (1.0 + 0.5 * mantissa) * power)
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    """e2m1 codes (int32 0..15, bit 3 the sign) as fp32 values times 2^-14, exactly: the three
+    magnitude bits as an fp16's bits 11..9 (exponent low bits and the mantissa's top bit) and the
+    sign as bit 15 read 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2^-14 (0.5: the subnormal 2^-15),
+    as the integer fp8 path does for e4m3 (:func:`_e4m3_values`)."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 def _fp8_piece(
@@ -249,8 +249,8 @@ def _fp4_piece(data, scales, valid, OFF: tl.constexpr, WIDTH: tl.constexpr, HW: 
     byte = tl.load(data[:, None] + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
     code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (data.shape[0], WIDTH))  # value 2i, 2i+1
     g = tl.arange(0, WIDTH // 16) + OFF // 16
-    scale = _e4m3_scale(tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0), HW)
-    value = tl.reshape(_e2m1_values(code), (data.shape[0], WIDTH // 16, 16)) * scale[:, :, None]
+    scale = _e4m3_scale(tl.load(scales[:, None] + g[None, :], mask=valid[:, None], other=0), HW) * 16384.0
+    value = tl.reshape(_e2m1_values(code), (data.shape[0], WIDTH // 16, 16)) * scale[:, :, None]  # 2^-14 * 2^14
     return tl.reshape(value, (data.shape[0], WIDTH)).to(tl.bfloat16)
 
 
