@@ -167,20 +167,18 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
     return result
 
 
-def grid(rows: int, heads: int) -> list[dict]:
-    """Graph time of the decode at ``rows`` for every combination of :data:`GRID_CONFIGS` and
-    :data:`GRID_MIN_SPLIT_KEYS`, with the largest difference of its output from the default
-    launch's (the key blocks' order changes the rounding, nothing else)."""
+def decode_variants(rows: int, heads: int, variants) -> list[dict]:
+    """Graph time of the decode at ``rows`` under each ``(fields, settings)`` of ``variants``
+    (``settings``: ``triton_attention`` names set for the call; ``fields``: the row's labels), with
+    the largest difference of its outputs from the default launch's (the key blocks' order changes
+    the rounding, nothing else)."""
     q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)
     args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
     want = ta.flash_mla_with_kvcache(*args)
     out = []
-    for config, min_keys in itertools.product(GRID_CONFIGS, GRID_MIN_SPLIT_KEYS):
-        settings = {"DECODE_CONFIG": config, "MIN_SPLIT_KEYS": min_keys}
+    for fields, settings in variants:
         call = with_settings(settings, lambda: ta.flash_mla_with_kvcache(*args))
-        plan = with_settings(settings, lambda: ta.decode_plan(q.device, rows, heads, 640))()
-        row = {"rows": rows, "config": f"{tuple(vars(config).values())}", "min_split_keys": min_keys,
-               "programs": rows * -(-heads // plan[1]) * plan[2], "splits": plan[2]}
+        row = {"rows": rows, **fields}
         try:
             got = call()
             row["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
@@ -192,22 +190,25 @@ def grid(rows: int, heads: int) -> list[dict]:
     return out
 
 
+def grid(rows: int, heads: int) -> list[dict]:
+    """:func:`decode_variants` over every combination of :data:`GRID_CONFIGS` and
+    :data:`GRID_MIN_SPLIT_KEYS`, with each launch's programs and splits."""
+    variants = []
+    for config, min_keys in itertools.product(GRID_CONFIGS, GRID_MIN_SPLIT_KEYS):
+        settings = {"DECODE_CONFIG": config, "MIN_SPLIT_KEYS": min_keys}
+        _, block_h, splits = with_settings(settings, lambda: ta.decode_plan(torch.device(DEV), rows, heads, 640))()
+        fields = {"config": f"{tuple(vars(config).values())}", "min_split_keys": min_keys,
+                  "programs": rows * -(-heads // block_h) * splits, "splits": splits}
+        variants.append((fields, settings))
+    return decode_variants(rows, heads, variants)
+
+
 def combine_sweep(rows: int, heads: int) -> list[dict]:
-    """Graph time of the decode (split, then combined) at ``rows`` for each combine geometry of
-    :data:`COMBINE_SWEEP`, with the largest difference of its output from the default's."""
-    q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)
-    args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen, None, None, SCALE, 512)
-    want = ta.flash_mla_with_kvcache(*args)
-    out = []
-    for block_h, block_d in COMBINE_SWEEP:
-        settings = {"COMBINE_BLOCK_H": block_h, "COMBINE_BLOCK_D": block_d}
-        call = with_settings(settings, lambda: ta.flash_mla_with_kvcache(*args))
-        row = {"rows": rows, "combine": f"{block_h} x {block_d}"}
-        got = call()
-        row["max_abs_diff_out"] = (got[0].float() - want[0].float()).abs().max().item()
-        row["us"] = graph_us(call)
-        out.append(row)
-    return out
+    """:func:`decode_variants` over the combine geometries of :data:`COMBINE_SWEEP`."""
+    return decode_variants(rows, heads, [
+        ({"combine": f"{block_h} x {block_d}"}, {"COMBINE_BLOCK_H": block_h, "COMBINE_BLOCK_D": block_d})
+        for block_h, block_d in COMBINE_SWEEP
+    ])
 
 
 def bench_prefill(heads: int, topk: int, flashmla: bool, do_sweep: bool, copy: float, peak: float) -> dict:
@@ -311,22 +312,17 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 MMA rate of the GPU")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.grid:
-        rows = [r for t in args.rows or GRID_ROWS for r in grid(t, 64)]
-        print(table(rows, ["rows", "config", "min_split_keys", "programs", "splits", "us", "max_abs_diff_out",
-                           "max_abs_diff_lse", "error"]))
+    if args.grid or args.combine:
+        if args.grid:
+            name, rows = "grid", [r for t in args.rows or GRID_ROWS for r in grid(t, 64)]
+            keys = ["rows", "config", "min_split_keys", "programs", "splits"]
+        else:
+            name, rows, keys = "combine", [r for t in (1, 8, 64) for r in combine_sweep(t, 64)], ["rows", "combine"]
+        print(table(rows, keys + ["us", "max_abs_diff_out", "max_abs_diff_lse", "error"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "triton": triton.__version__,
-                           "device": torch.cuda.get_device_name(), "grid": rows}, f, indent=1)
-        return
-    if args.combine:
-        rows = [r for t in (1, 8, 64) for r in combine_sweep(t, 64)]
-        print(table(rows, ["rows", "combine", "us", "max_abs_diff_out"]))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "triton": triton.__version__,
-                           "device": torch.cuda.get_device_name(), "combine": rows}, f, indent=1)
+                           "device": torch.cuda.get_device_name(), name: rows}, f, indent=1)
         return
     flashmla = flashmla_available()
     device = torch.device(DEV, torch.cuda.current_device())
@@ -347,7 +343,8 @@ def main():
     print(f"\ndecode (H=64, SWA 128 keys P=256 + c4 512 keys P=64), us per call; {report['decode_config']}")
     print(f"copy {copy:.2f} TB/s, peak {args.peak_tflops} TFLOP/s")
     print(table(report["decode"], ["rows", "heads_per_program", "splits", "triton_graph_us", "flashmla_graph_us",
-                                   "ratio", "roofline_us", "triton_of_roofline", "flashmla_of_roofline", "triton_eager_us", "flashmla_eager_us",
+                                   "ratio", "roofline_us", "triton_of_roofline", "flashmla_of_roofline",
+                                   "triton_eager_us", "flashmla_eager_us",
                                    "max_abs_diff_out", "max_abs_diff_lse"]))
     print(f"\nprefill (s_q 4096, s_kv 8192, H 64, top-k 640); {report['prefill_config']}")
     print(table(report["prefill"], ["heads", "topk", "triton_us", "triton_tflops", "flashmla_us", "flashmla_tflops",

@@ -8,10 +8,11 @@ A provider entry point runs on CPU tensors with its launches recorded instead of
 choices a GPU of ``--arch`` with ``--sms`` SMs gets, and each launch is compiled as Triton
 specialises the real one (:mod:`dsv4_compile.kernels.triton_offline`, as
 ``tests/test_triton_compile.py`` does). The cubin is disassembled with ``cuobjdump -sass``
-(:mod:`store_instructions`), NOPs left out, and cut at every backward branch: a region that ends in one is a loop body, and what a program issues is the
-straight-line regions it passes through plus each loop body per iteration (per 64-key block for
-the decode). On the H200 the Triton decode at T = 1 issued 3,950 warp-instructions per warp by
-``ncu``, the sum of the regions a one-block program passes through (benchmarks/RESULTS.md).
+(:mod:`store_instructions`), NOPs left out, and cut at every backward branch: a region that ends
+in one is a loop body, and what a program issues is the straight-line regions it passes through
+plus each loop body per iteration (per 64-key block for the decode). On the H200 the Triton
+decode at T = 1 issued 3,950 warp-instructions per warp by ``ncu``, the sum of the regions a
+one-block program passes through (benchmarks/RESULTS.md).
 
 Cases: ``decode``: ``rows`` query rows of 64 heads over a V4 cache (P = 256, 128 indices) and a
 V4 extra cache (P = 64, 512 indices), lengths and sink; ``prefill``: 64 heads, 512-dim keys,

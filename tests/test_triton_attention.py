@@ -522,7 +522,7 @@ def test_decode_loop_stages(rows, stages):
     kernel, _, kwargs = launches[0]
     assert kernel.fn.__name__ == "_decode_kernel"
     assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
-    assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 641) == (None, ta.DECODE_CONFIG.extra_stages)
+    assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 100, 513) == (None, ta.DECODE_CONFIG.extra_stages)
 
 
 def test_decode_launch_is_guard_free_for_symbolic_rows():

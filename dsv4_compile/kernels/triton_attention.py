@@ -583,15 +583,17 @@ def decode_plan(device: torch.device, rows, heads: int, keys: int):
     return config, block_h, decode_splits(device, rows * -(-heads // block_h), keys, config.block_n)
 
 
-def decode_loop_stages(config: Config, splits, keys: int) -> tuple[int | None, int | None]:
+def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> tuple:
     """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
-    (None: the launch's ``num_stages``), for ``splits`` of a virtual key list of at most ``keys``
-    (the main width padded to whole key blocks, plus the extra width). Where every split holds at
-    most one key block there is nothing to overlap, and both loops take one stage (H200, measured
-    while the loops still hoisted: 1.2x faster at T = 1 and 8); otherwise the main loop takes
-    ``num_stages`` and the extra loop ``config.extra_stages``. A symbolic split count (traced)
-    takes the latter: no guard."""
-    if isinstance(splits, int) and keys <= splits * config.block_n:
+    (None: the launch's ``num_stages``), for ``splits`` of the virtual key list: ``width`` main
+    index columns padded to whole key blocks, then ``extra_width`` extra ones. Where every split
+    holds at most one key block there is nothing to overlap, and both loops take one stage (H200,
+    measured while the loops still hoisted: 1.2x faster at T = 1 and 8); otherwise the main loop
+    takes ``num_stages`` and the extra loop ``config.extra_stages``. A symbolic split count
+    (traced) takes the latter: no guard."""
+    block = config.block_n
+    keys = -(-int(width) // block) * block + int(extra_width)  # index widths are specialised
+    if isinstance(splits, int) and keys <= splits * block:
         return 1, 1
     return None, config.extra_stages
 
@@ -637,11 +639,9 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     if rows == 0:  # nothing to launch
         return out, lse
     has_extra = extra_k_cache is not None
-    keys = indices.shape[-1] + (extra_indices.shape[-1] if has_extra else 0)
-    config, block_h, splits = decode_plan(q.device, rows, heads, keys)
-    width = int(indices.shape[-1])  # index widths are specialised
-    padded = -(-width // config.block_n) * config.block_n + int(keys) - width
-    stages, x_stages = decode_loop_stages(config, splits, padded)
+    width, extra_width = indices.shape[-1], extra_indices.shape[-1] if has_extra else 0
+    config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
+    stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
     head_blocks = -(-heads // block_h)
     partial = _partial_mode(splits)
     split = partial > 0
