@@ -26,6 +26,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -305,6 +306,41 @@ def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
     check_decode(args)
 
 
+def _rank_kernel(blocks_ptr, rows, out_ptr, ROWS: tl.constexpr, BINS: tl.constexpr):
+    """Program ``p`` stores the row of rank ``p`` (:func:`triton_attention._longest_first`)."""
+    r = tl.arange(0, ROWS)
+    live = r < rows
+    blocks = tl.load(blocks_ptr + r, mask=live, other=0)
+    p = tl.program_id(0)
+    tl.store(out_ptr + p, ta._longest_first(p, blocks, live, BINS))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 7, 50])
+def test_longest_first(device, rows):
+    """Program ``p`` gets the row of rank ``p`` by block count, most first, ties by row: the rows
+    sorted so (a permutation: every row once), with empty rows and rows of the top bin."""
+    ta._triton()
+    gen = torch.Generator().manual_seed(rows)
+    blocks = torch.randint(0, 8, (rows,), generator=gen, dtype=torch.int32)
+    blocks[0] = 7
+    blocks[-1] = 0
+    order = torch.full((rows,), -1, dtype=torch.int32, device=device)
+    triton.jit(_rank_kernel)[(rows,)](blocks.to(device), rows, order, ROWS=64, BINS=8)
+    want = sorted(range(rows), key=lambda r: (-int(blocks[r]), r))
+    assert order.tolist() == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_order_decided_at_run_time(device, monkeypatch):
+    """With the row count symbolic (traced), the kernel orders the rows itself where one split
+    leaves more rows than a wave: rows of many lengths (empty ones too) each written once."""
+    monkeypatch.setattr(ta, "decode_order", lambda *a: (2, ta.ORDER_MAX_ROWS, 8))
+    args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
+    assert planned_splits(args) == 1 and ta._parallelism(args[0].device) < 18
+    check_decode(args)
+
+
 def random_records(num_pages, page_size, kv_format):
     """A cache of random tokens: every fp8 / fp4 code but NaN, UE8M0 scales 2^-27 .. 2^22 or e4m3
     scales but NaN, bf16 RoPE values (V4), at a page stride 3 bytes past the canonical one."""
@@ -523,6 +559,33 @@ def test_decode_loop_stages(rows, stages):
     assert kernel.fn.__name__ == "_decode_kernel"
     assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
     assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 100, 513) == (None, ta.DECODE_CONFIG.extra_stages)
+
+
+@pytest.mark.parametrize("rows, lengths, order", [
+    (256, True, 1),  # two waves of one-split rows on 132 SMs: ordered
+    (256, False, 0),  # no lengths: every row alike
+    (100, True, 0),  # one wave
+    (64, True, 0),  # split rows
+    (ta.ORDER_MAX_ROWS + 1, True, 0),  # too many rows to rank in every program
+])
+def test_decode_order(rows, lengths, order):
+    """As launched for an H200 (132 SMs): rows taken longest first exactly where one-split rows
+    with lengths fill more than one wave, with a rank vector of whole rows and a bin per block
+    count (0 .. 10 here: 16 bins)."""
+    from dsv4_compile.kernels import triton_offline
+
+    ta._triton()
+    cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
+    q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(rows, 1, 128, dtype=torch.int32)
+    x_idx = torch.zeros(rows, 1, 512, dtype=torch.int32)
+    length = torch.full((rows,), 128, dtype=torch.int32) if lengths else None
+    with triton_offline.recorded((9, 0), 132) as launches:
+        ta.flash_mla_with_kvcache(q, cache, 256, idx, length, None, extra, 64, x_idx, None, None, None, SCALE, 512)
+    kwargs = launches[0][2]
+    assert kwargs["ORDER"] == order
+    if order:
+        assert (kwargs["ORDER_ROWS"], kwargs["ORDER_BINS"]) == (256, 16)
 
 
 def test_decode_launch_is_guard_free_for_symbolic_rows():

@@ -120,6 +120,9 @@ COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128
 #: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
 #: 640 keys into 20 tiny splits would move more partial data than keys.
 MIN_SPLIT_KEYS = 64
+#: Most query rows a decode launch orders longest first (:func:`decode_order`): every program
+#: ranks all rows' lengths, O(rows) work each.
+ORDER_MAX_ROWS = 4096
 
 
 def _hopper_class(device: torch.device) -> bool:
@@ -295,10 +298,14 @@ def _attend(
     (``disable_licm``): hoisted, the MMAs' shared-memory descriptors and the per-block address
     terms lived across the loop, were spilled (664 stack bytes per thread on SM90) and reloaded
     every block; recomputed, nothing spills and a block issues 11-12% fewer instructions (SM90;
-    H200: 1.18-1.23x the decode at T = 8 .. 256)."""
+    H200: 1.18-1.23x the decode at T = 8 .. 256). Each block's index entries are loaded one block
+    ahead, so a block does not start by waiting for them."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    ahead = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
     for b0 in tl.range(j0, j1, BLOCK_N, num_stages=STAGES, disable_licm=True):
-        j = b0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
+        slot = ahead
+        j = b0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        ahead = tl.load(idx_ptr + j * idx_stride, mask=j < j1, other=-1)
         valid = slot >= 0  # -1: a hole (other negatives are undefined: skipped too)
         slot = tl.where(valid, slot, 0)
         data, scales = _records(
@@ -366,27 +373,74 @@ def _store_final(
     _store_columns(out_ptr, at, d, h_mask, acc * factor[:, None])
 
 
+def _counted(n, x_n, width, x_width, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr):
+    """The counted entries ``[0, n)`` of the main indices and ``[0, x_n)`` of the extra ones, from
+    the lengths ``n`` / ``x_n`` as loaded (read only where ``HAS_LEN`` / ``HAS_X_LEN``; scalars or
+    vectors). The loads stay in the kernel: a pointer passed to a function on the way to a store's
+    address reads to torch's mutation analysis as written."""
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(n, 0), width)
+    else:
+        n = width
+    if HAS_EXTRA:
+        if HAS_X_LEN:
+            x_n = tl.minimum(tl.maximum(x_n, 0), x_width)
+        else:
+            x_n = x_width
+    else:
+        x_n = 0
+    return n, x_n
+
+
+def _longest_first(p, blocks, live, BINS: tl.constexpr):
+    """The row of rank ``p`` when the rows (``live`` entries of ``blocks``, each row's key block
+    count ``< BINS``) are ordered by their block counts, most first, ties by row: a counting sort,
+    which each program runs for itself (O(rows), no launch, no sync)."""
+    key = (BINS - 1) - blocks  # ascending: most blocks first
+    count = tl.histogram(key, BINS, mask=live)
+    before = tl.cumsum(count, 0) - count  # rows of smaller keys
+    here = (before <= p) & (p < before + count)
+    k = tl.sum(tl.where(here, tl.arange(0, BINS), 0), 0)
+    nth = p - tl.sum(tl.where(here, before, 0), 0)
+    same = live & (key == k)
+    rank = tl.cumsum(same.to(tl.int32), 0)
+    return tl.sum(tl.where(same & (rank == nth + 1), tl.arange(0, blocks.shape[0]), 0), 0)
+
+
 def _decode_kernel(
     q_ptr, q_sb, q_ss, q_sh, q_sd,
     cache_ptr, page_size, page_shift, page_stride, idx_ptr, idx_sb, idx_ss, idx_sj, width, len_ptr, len_sb,
     x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
     x_len_ptr, x_len_sb,
     sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
-    s_q, heads, num_splits, scale_log2,
+    rows, s_q, heads, num_splits, wave, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
     POW2: tl.constexpr, X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr,
     X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
-    X_STAGES: tl.constexpr,
+    X_STAGES: tl.constexpr, ORDER: tl.constexpr, ORDER_ROWS: tl.constexpr, ORDER_BINS: tl.constexpr,
 ):
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
-    ``HW``: fp8 by conversion instructions (:func:`.triton_common.hardware_conversions`)."""
+    ``HW``: fp8 by conversion instructions (:func:`.triton_common.hardware_conversions`).
+    ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
+    2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
+    if ORDER != 0:
+        r = tl.arange(0, ORDER_ROWS)
+        live = r < rows
+        n_r, x_n_r = _counted(tl.load(len_ptr + (r // s_q) * len_sb, mask=live & HAS_LEN, other=0),
+                              tl.load(x_len_ptr + (r // s_q) * x_len_sb, mask=live & HAS_X_LEN, other=0),
+                              width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
+        blocks = tl.cdiv(n_r, BLOCK_N) + tl.cdiv(x_n_r, BLOCK_N)
+        if ORDER == 1:
+            row = _longest_first(row, blocks, live, ORDER_BINS)
+        elif (num_splits == 1) & (rows > wave) & (rows <= ORDER_ROWS):
+            row = _longest_first(row, blocks, live, ORDER_BINS)
     split = tl.program_id(2)
     b = row // s_q
     s = row - b * s_q
@@ -399,14 +453,9 @@ def _decode_kernel(
     q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
 
     # the row's counted entries: [0, n) of the main indices, then [0, x_n) of the extra ones
-    n = width
-    if HAS_LEN:
-        n = tl.minimum(tl.maximum(tl.load(len_ptr + b * len_sb), 0), width)
-    x_n = 0
-    if HAS_EXTRA:
-        x_n = x_width
-        if HAS_X_LEN:
-            x_n = tl.minimum(tl.maximum(tl.load(x_len_ptr + b * x_len_sb), 0), x_width)
+    n, x_n = _counted(tl.load(len_ptr + b * len_sb, mask=HAS_LEN, other=0),
+                      tl.load(x_len_ptr + b * x_len_sb, mask=HAS_X_LEN, other=0),
+                      width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
     # the virtual list: the main entries padded to whole key blocks, then the extra ones, so that
     # every key block of a split lies in one cache (no split pays a partial block on both sides)
     n_pad = tl.cdiv(n, BLOCK_N) * BLOCK_N
@@ -534,8 +583,8 @@ def _prefill_kernel(
 
 
 _JITTED = (
-    "_records", "_e4m3_values", "_ue8m0_scale", "_e4m3_scale", "_e2m1_values", "_fp8_piece", "_bf16_piece",
-    "_fp4_piece", "_piece", "_online_softmax", "_attend", "_lse2_and_inverse", "_sink_and_lse", "_final_factor",
+    "_counted", "_longest_first", "_records", "_e4m3_values", "_ue8m0_scale", "_e4m3_scale", "_e2m1_values",
+    "_fp8_piece", "_bf16_piece", "_fp4_piece", "_piece", "_online_softmax", "_attend", "_lse2_and_inverse", "_sink_and_lse", "_final_factor",
     "_store_columns", "_store_pieces", "_store_final", "_decode_kernel", "_combine",
     "_combine_kernel", "_prefill_kernel",
 )
@@ -598,6 +647,26 @@ def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> 
     return None, config.extra_stages
 
 
+def decode_order(device: torch.device, config: Config, rows, head_blocks: int, splits, width: int,
+                 extra_width: int, has_lengths: bool) -> tuple:
+    """``(ORDER, ORDER_ROWS, ORDER_BINS)`` of a decode launch: whether its programs take the rows
+    longest first (most key blocks, by the lengths; :func:`_longest_first`). That pays where rows of
+    one split each fill more than one wave of programs: the hardware starts programs in order, so
+    the longest rows start first and short ones fill the last wave (H200, T = 256 rows of 5-10 key
+    blocks in random order: the same launch took 0.90x the time with the rows sorted longest first).
+    Only with lengths (else all rows are alike) and up to :data:`ORDER_MAX_ROWS` rows. ``ORDER`` 1:
+    ordered; 0: not; 2: decided in the kernel (a symbolic row or split count: no guard)."""
+    if not has_lengths:
+        return 0, 1, 1
+    blocks = -(-int(width) // config.block_n) + -(-int(extra_width) // config.block_n)  # widths specialised
+    bins = 1 << blocks.bit_length()  # a power of two > blocks
+    if isinstance(rows, int) and isinstance(splits, int):
+        if splits == 1 and _parallelism(device) // max(head_blocks, 1) < rows <= ORDER_MAX_ROWS:
+            return 1, 1 << (rows - 1).bit_length(), bins
+        return 0, 1, 1
+    return 2, ORDER_MAX_ROWS, bins
+
+
 def _partial_mode(splits) -> int:
     """The decode kernel's ``PARTIAL``: 0 for one split, 1 for several, 2 for a symbolic count
     (traced with dynamic shapes), which the kernels then read at run time: no guard, no recompile."""
@@ -643,6 +712,8 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
     head_blocks = -(-heads // block_h)
+    order = decode_order(q.device, config, rows, head_blocks, splits, width, extra_width,
+                         topk_length is not None or (has_extra and extra_topk_length is not None))
     partial = _partial_mode(splits)
     split = partial > 0
     shift, pow2 = _page_shift(page_size)
@@ -667,12 +738,12 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
-        s_q, heads, splits, softmax_scale * LOG2E,
+        rows, s_q, heads, splits, _parallelism(q.device) // max(head_blocks, 1), softmax_scale * LOG2E,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _decode_kernel),
-        STAGES=stages, X_STAGES=x_stages,
+        STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
