@@ -334,11 +334,15 @@ def test_longest_first(device, rows):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_order_decided_at_run_time(device, monkeypatch):
     """With the row count symbolic (traced), the kernel orders the rows itself where one split
-    leaves more rows than a wave: rows of many lengths (empty ones too) each written once."""
-    monkeypatch.setattr(ta, "decode_order", lambda *a: (2, ta.ORDER_MAX_ROWS, 8))
+    leaves more rows than a wave: rows of many lengths (empty ones too) each written once, and
+    bit for bit as unordered (the order moves a row to another program, not its arithmetic)."""
     args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
     assert planned_splits(args) == 1 and ta._parallelism(args[0].device) < 18
-    check_decode(args)
+    monkeypatch.setattr(ta, "decode_order", lambda *a: (0, 1, 1))
+    unordered = ta.flash_mla_with_kvcache(*args)
+    monkeypatch.setattr(ta, "decode_order", lambda *a: (2, ta.ORDER_MAX_ROWS, 8))
+    out, lse = check_decode(args)
+    assert torch.equal(out, unordered[0]) and torch.equal(lse, unordered[1])
 
 
 def random_records(num_pages, page_size, kv_format):
