@@ -333,9 +333,10 @@ def test_longest_first(device, rows):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_order_decided_at_run_time(device, monkeypatch):
-    """With the row count symbolic (traced), the kernel orders the rows itself where one split
-    leaves more rows than a wave: rows of many lengths (empty ones too) each written once, and
-    bit for bit as unordered (the order moves a row to another program, not its arithmetic)."""
+    """The order decided in the kernel (``ORDER`` 2, a symbolic row count when traced), where one
+    split leaves more rows than a wave: rows of many lengths (empty ones too) each written once,
+    and bit for bit as unordered (the order moves a row to another program, not its arithmetic).
+    Which row each program takes is :func:`test_longest_first`'s."""
     args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
     assert planned_splits(args) == 1 and ta._parallelism(args[0].device) < 18
     monkeypatch.setattr(ta, "decode_order", lambda *a: (0, 1, 1))

@@ -430,17 +430,14 @@ def _decode_kernel(
     2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
-    if ORDER != 0:
+    # constexpr for ORDER 0 / 1 (the `or` / `and` short-circuit on them), a run-time test for 2
+    if ORDER == 1 or (ORDER == 2 and ((num_splits == 1) & (rows > wave) & (rows <= ORDER_ROWS))):
         r = tl.arange(0, ORDER_ROWS)
         live = r < rows
         n_r, x_n_r = _counted(tl.load(len_ptr + (r // s_q) * len_sb, mask=live & HAS_LEN, other=0),
                               tl.load(x_len_ptr + (r // s_q) * x_len_sb, mask=live & HAS_X_LEN, other=0),
                               width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
-        blocks = tl.cdiv(n_r, BLOCK_N) + tl.cdiv(x_n_r, BLOCK_N)
-        if ORDER == 1:
-            row = _longest_first(row, blocks, live, ORDER_BINS)
-        elif (num_splits == 1) & (rows > wave) & (rows <= ORDER_ROWS):
-            row = _longest_first(row, blocks, live, ORDER_BINS)
+        row = _longest_first(row, tl.cdiv(n_r, BLOCK_N) + tl.cdiv(x_n_r, BLOCK_N), live, ORDER_BINS)
     split = tl.program_id(2)
     b = row // s_q
     s = row - b * s_q
@@ -584,8 +581,8 @@ def _prefill_kernel(
 
 _JITTED = (
     "_counted", "_longest_first", "_records", "_e4m3_values", "_ue8m0_scale", "_e4m3_scale", "_e2m1_values",
-    "_fp8_piece", "_bf16_piece", "_fp4_piece", "_piece", "_online_softmax", "_attend", "_lse2_and_inverse", "_sink_and_lse", "_final_factor",
-    "_store_columns", "_store_pieces", "_store_final", "_decode_kernel", "_combine",
+    "_fp8_piece", "_bf16_piece", "_fp4_piece", "_piece", "_online_softmax", "_attend", "_lse2_and_inverse",
+    "_sink_and_lse", "_final_factor", "_store_columns", "_store_pieces", "_store_final", "_decode_kernel", "_combine",
     "_combine_kernel", "_prefill_kernel",
 )
 def _triton():
@@ -647,24 +644,21 @@ def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> 
     return None, config.extra_stages
 
 
-def decode_order(device: torch.device, config: Config, rows, head_blocks: int, splits, width: int,
-                 extra_width: int, has_lengths: bool) -> tuple:
+def decode_order(config: Config, rows, wave: int, splits, width: int, extra_width: int,
+                 has_lengths: bool) -> tuple:
     """``(ORDER, ORDER_ROWS, ORDER_BINS)`` of a decode launch: whether its programs take the rows
     longest first (most key blocks, by the lengths; :func:`_longest_first`). That pays where rows of
-    one split each fill more than one wave of programs: the hardware starts programs in order, so
+    one split each fill more than one ``wave`` of programs: the hardware starts programs in order, so
     the longest rows start first and short ones fill the last wave (H200, T = 256 rows of 5-10 key
     blocks in random order: the same launch took 0.90x the time with the rows sorted longest first).
     Only with lengths (else all rows are alike) and up to :data:`ORDER_MAX_ROWS` rows. ``ORDER`` 1:
     ordered; 0: not; 2: decided in the kernel (a symbolic row or split count: no guard)."""
-    if not has_lengths:
+    static = isinstance(rows, int) and isinstance(splits, int)
+    if not has_lengths or static and not (splits == 1 and wave < rows <= ORDER_MAX_ROWS):
         return 0, 1, 1
     blocks = -(-int(width) // config.block_n) + -(-int(extra_width) // config.block_n)  # widths specialised
     bins = 1 << blocks.bit_length()  # a power of two > blocks
-    if isinstance(rows, int) and isinstance(splits, int):
-        if splits == 1 and _parallelism(device) // max(head_blocks, 1) < rows <= ORDER_MAX_ROWS:
-            return 1, 1 << (rows - 1).bit_length(), bins
-        return 0, 1, 1
-    return 2, ORDER_MAX_ROWS, bins
+    return (1, 1 << (rows - 1).bit_length(), bins) if static else (2, ORDER_MAX_ROWS, bins)
 
 
 def _partial_mode(splits) -> int:
@@ -712,8 +706,9 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
     head_blocks = -(-heads // block_h)
-    order = decode_order(q.device, config, rows, head_blocks, splits, width, extra_width,
-                         topk_length is not None or (has_extra and extra_topk_length is not None))
+    wave = _parallelism(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
+    has_len, has_x_len = topk_length is not None, has_extra and extra_topk_length is not None
+    order = decode_order(config, rows, wave, splits, width, extra_width, has_len or has_x_len)
     partial = _partial_mode(splits)
     split = partial > 0
     shift, pow2 = _page_shift(page_size)
@@ -738,9 +733,8 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
-        rows, s_q, heads, splits, _parallelism(q.device) // max(head_blocks, 1), softmax_scale * LOG2E,
-        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
-        HAS_X_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
+        rows, s_q, heads, splits, wave, softmax_scale * LOG2E,
+        HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _decode_kernel),
         STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
