@@ -387,6 +387,36 @@ def test_rounding_helpers_are_exact(device, hardware):
     assert torch.equal(exponent[normal], reference.ue8m0_exponent(x.abs())[normal].int())
 
 
+@triton.jit
+def _apply_e2m1(x_ptr, s_ptr, code_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    s = tl.load(s_ptr + i, mask=i < n, other=1.0)
+    tl.store(code_ptr + i, triton_store._e2m1_of_quotient(x, s), mask=i < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_codes_without_division_are_the_quotients(device):
+    """The FP4 store's codes (thresholds times the scale, no division) equal
+    ``reference.e2m1_codes(x / s)`` with the IEEE-rounded quotient, for every e4m3 scale the store
+    writes (2^-9 .. 448): at each threshold times the scale, one fp32 ulp either side, and values
+    spread over the whole range of codes; signed zeros too."""
+    triton_store._triton()
+    scales = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scales = scales[scales >= layout.FP4_SCALE_MIN]
+    at = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[:, None] * scales  # exact products
+    inf = torch.tensor(float("inf"))
+    x = torch.cat([at, at.nextafter(inf), at.nextafter(-inf), torch.rand(16, scales.numel()) * 7 * scales])
+    s = scales.expand_as(x)
+    x = torch.cat([x, -x, torch.zeros_like(x), -torch.zeros_like(x)]).flatten()
+    s = torch.cat([s] * 4).flatten().contiguous()
+    want = reference.e2m1_codes(x / s).int()
+    code = torch.empty(x.shape, dtype=torch.int32, device=device)
+    _apply_e2m1[(triton.cdiv(x.numel(), 1024),)](x.to(device), s.to(device), code, x.numel(), BLOCK=1024)
+    assert torch.equal(code.cpu(), want)
+    assert set(want.unique().tolist()) == set(range(16))  # every code met
+
+
 def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypatch):
     """The conversion instructions are used on CUDA devices of compute capability 8.9+ with
     compiled kernels; not on SM80, ROCm, CPU, or under the interpreter (whose fp8 casts are

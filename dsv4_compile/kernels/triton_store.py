@@ -267,12 +267,30 @@ def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexp
     groups = tl.reshape(values, (BLOCK_T, WIDTH // 16, 16))
     amax = tl.max(tl.abs(groups), axis=2)
     scale_code = _e4m3fn_saturated(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), HW)
-    v = tl.div_rn(groups, _e4m3_value(scale_code)[:, :, None])
-    a = tl.abs(v)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
-    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+    code = _e2m1_of_quotient(groups, _e4m3_value(scale_code)[:, :, None])
     return tl.reshape(code, (BLOCK_T, WIDTH)), scale_code
+
+
+def _e2m1_of_quotient(x, s):
+    """The e2m1 codes (int32 0..15) of ``x / s`` rounded to fp32 (IEEE), as
+    :func:`~dsv4_compile.kernels.reference.e2m1_codes` reads them, for finite fp32 ``x`` and
+    e4m3 values ``s`` in [2^-9, 448], without dividing: each rounding threshold ``t`` of the code
+    (0.25, 0.75, ... 5) compared with ``|x|`` as ``t * s``. That product is exact (3 and 4
+    significant bits), and the compare is the quotient's: an ``|x|`` one ulp past ``t * s`` puts
+    the exact quotient more than half an ulp of ``t`` past ``t`` (``s``'s significand is < 2), so
+    ``x / s`` rounds past ``t`` too, and ``|x| = t * s`` gives ``t`` exactly. The sign bit is
+    ``x``'s (``s > 0``). An IEEE division per value was most of the FP4 store's instructions."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF  # |x|'s bits: ordered as the values
+    code = (_above(a, 0.25 * s, 0) + _above(a, 0.75 * s, 1) + _above(a, 1.25 * s, 0) + _above(a, 1.75 * s, 1)
+            + _above(a, 2.5 * s, 0) + _above(a, 3.5 * s, 1) + _above(a, 5.0 * s, 0))
+    return code | ((bits >> 28) & 8)
+
+
+def _above(a, c, AT: tl.constexpr):
+    """1 where the bits ``a`` of a non-negative finite fp32 value are past (``AT``: at or past)
+    those of the positive fp32 ``c``, else 0 (int32): the sign bit of the difference."""
+    return ((c.to(tl.int32, bitcast=True) - AT - a).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
 
 
 def _v41_bytes(values, finite, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -350,7 +368,8 @@ def _store_v41_kernel(
 
 _JITTED = (
     "_e4m3fn_bits", "_e4m3fn_saturated", "_bf16_bits", "_ue8m0_exponent", "_nan_or_fp8", "_round_bf16", "_normed", "_rope_dims",
-    "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_v41_bytes", "_store_v41_kernel",
+    "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_e2m1_of_quotient", "_above",
+    "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
     """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
