@@ -4,8 +4,8 @@ For each token count T (page size 256, bf16 ``kv``) the store moves, per token, 
 256 B of ``freqs`` row, 16 B of position and slot (reads) and 584 B of cache (writes). A
 device-to-device copy of half that many bytes moves the same traffic (read + write); its
 bandwidth is the ceiling. Times are medians of ``triton.testing.do_bench`` (L2 flushed between
-runs). Rows: the kernel launched directly for each launch geometry (``BLOCK_T`` tokens per program,
-``NUM_WARPS``; ``*`` marks the defaults of ``triton_store``; ``int``: rounding in integer arithmetic
+runs). Rows: the kernel launched directly for each launch geometry (tokens per program, warps;
+``*`` marks ``triton_store.GEOMETRY``'s V4 default; ``int``: rounding in integer arithmetic
 instead of the GPU's conversion instructions), and the op called eagerly (adds the
 dispatcher, provider trampoline and checks: host time, visible at small T). ``--graph`` times the
 copy and the default geometry's kernel instead as CUDA-graph replays of 10 back-to-back calls
@@ -31,7 +31,7 @@ from common import graph_timed
 
 PAGE_SIZE = 256
 BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
-GEOMETRIES = [(1, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (BLOCK_T, NUM_WARPS)
+GEOMETRIES = [(1, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (tokens, warps) per program
 
 
 def inputs(num_tokens: int, scattered: bool):
@@ -58,7 +58,7 @@ def median_ms(fn) -> float:
 @contextlib.contextmanager
 def geometry(block_t: int, num_warps: int):
     """Within: the V4 store launches ``block_t`` tokens per program on ``num_warps`` warps."""
-    with mock.patch.object(triton_store, "BLOCK_T", block_t), mock.patch.dict(triton_store.NUM_WARPS, v4=num_warps):
+    with mock.patch.dict(triton_store.GEOMETRY, v4=(block_t, num_warps)):
         yield
 
 
@@ -94,7 +94,7 @@ def main() -> None:
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
             args = inputs(num_tokens, scattered)
-            default = (triton_store.BLOCK_T, triton_store.num_warps(layout.V4))
+            default = triton_store.geometry(layout.V4)
             if opts.graph:
                 ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))
                 gbs = traffic / ms / 1e6

@@ -120,7 +120,7 @@ def main() -> None:
     print(f"sm_{args.arch}{cap}: warp-instructions per token ({what}, one program x warps / tokens)")
     print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}" + (f" {'regs':>5} {'stack':>6}" if args.sass else ""))
     for kv_format in args.formats:
-        default = (triton_store.BLOCK_T, triton_store.num_warps(layout.cache_format(kv_format)))
+        default = triton_store.geometry(layout.cache_format(kv_format))
         for block_t, warps in GEOMETRIES:
             programs = [compiled_store(kv_format, block_t, warps, hw, args.arch, args.maxnreg)
                         for hw in ((True, False) if args.arch >= 89 else (False,))]

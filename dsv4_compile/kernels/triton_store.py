@@ -43,11 +43,10 @@ from . import triton_common
 OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
 NAME = "triton"
-#: Launch geometry: tokens per program (a power of two), and warps per program by the values
-#: format: the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens);
-#: the FP4 path, with more arithmetic per value, needs more threads per token.
-BLOCK_T = 4
-NUM_WARPS = {"v4": 1, "fp8": 2, "fp4": 4}
+#: Launch geometry by the values format: ``(tokens per program`` (a power of two), ``warps per
+#: program)``, the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens;
+#: FP4: 2 x 1 took 0.78x the time of 4 x 4 once its codes stopped dividing, ninth run).
+GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,19 +387,20 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     else:
         kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
     freqs_stride = freqs.stride()  # whole stride tuples: cheaper on the eager path than stride(i)
-    kernels(kernel)[(-(-num_tokens // BLOCK_T),)](
+    block_t, warps = geometry(fmt)
+    kernels(kernel)[(-(-num_tokens // block_t),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride()[0], kv_weight.stride()[0], freqs_stride[0], freqs_stride[1],
         positions.stride()[0], out_loc.stride()[0], kvcache.stride()[0], eps,
-        PAGE_SIZE=page_size, BLOCK_T=BLOCK_T, FUSED=fused, **formats,
+        PAGE_SIZE=page_size, BLOCK_T=block_t, FUSED=fused, **formats,
         HW=triton_common.hardware_conversions(kv.device, kernel),
-        num_warps=num_warps(fmt),
+        num_warps=warps,
     )
 
 
-def num_warps(fmt: layout.CacheFormat) -> int:
-    """Warps per program of the store of cache format ``fmt`` (:data:`NUM_WARPS`)."""
-    return NUM_WARPS["v4" if fmt.is_v4 else fmt.values]
+def geometry(fmt: layout.CacheFormat) -> tuple[int, int]:
+    """``(tokens, warps)`` per program of the store of cache format ``fmt`` (:data:`GEOMETRY`)."""
+    return GEOMETRY["v4" if fmt.is_v4 else fmt.values]
 
 
 def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format="v4") -> tuple:
