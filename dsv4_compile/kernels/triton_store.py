@@ -45,7 +45,7 @@ PLAIN = "quantize_store"
 NAME = "triton"
 #: Launch geometry by the values format: ``(tokens per program`` (a power of two), ``warps per
 #: program)``, the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens;
-#: FP4: 2 x 1 took 0.78x the time of 4 x 4 once its codes stopped dividing, ninth run).
+#: FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped dividing, ninth run).
 GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
 
 
@@ -278,7 +278,7 @@ def _e2m1_of_quotient(x, s):
     significant bits), and the compare is the quotient's: an ``|x|`` one ulp past ``t * s`` puts
     the exact quotient more than half an ulp of ``t`` past ``t`` (``s``'s significand is < 2), so
     ``x / s`` rounds past ``t`` too, and ``|x| = t * s`` gives ``t`` exactly. The sign bit is
-    ``x``'s (``s > 0``). An IEEE division per value was most of the FP4 store's instructions."""
+    ``x``'s (``s > 0``). (An IEEE division per value was 27% of the FP4 store's instructions.)"""
     bits = x.to(tl.int32, bitcast=True)
     a = bits & 0x7FFFFFFF  # |x|'s bits: ordered as the values
     code = (_above(a, 0.25 * s, 0) + _above(a, 0.75 * s, 1) + _above(a, 1.25 * s, 0) + _above(a, 1.75 * s, 1)
