@@ -337,7 +337,7 @@ def test_decode_order_decided_at_run_time(device, monkeypatch):
     split leaves more rows than a wave: rows of many lengths (empty ones too) each written once,
     and bit for bit as unordered (the order moves a row to another program, not its arithmetic).
     Which row each program takes is :func:`test_longest_first`'s."""
-    monkeypatch.setattr(ta, "_parallelism", lambda device: 4)  # a wave of 2 programs on any device
+    monkeypatch.setattr(ta, "_parallelism", lambda device: 4)  # on any device: one split, a wave of 4 of the 18 rows
     args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
     assert planned_splits(args) == 1
     monkeypatch.setattr(ta, "decode_order", lambda *a: (0, 1, 1))

@@ -404,7 +404,9 @@ def test_fp4_codes_without_division_are_the_quotients(device):
     triton_store._triton()
     scales = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     scales = scales[scales >= layout.FP4_SCALE_MIN]
-    at = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[:, None] * scales  # exact products
+    magnitudes = torch.tensor(layout.E2M1_VALUES)
+    thresholds = (magnitudes[1:] + magnitudes[:-1]) / 2  # where the code changes: 0.25, 0.75, ... 5
+    at = thresholds[:, None] * scales  # exact products
     inf = torch.tensor(float("inf"))
     x = torch.cat([at, at.nextafter(inf), at.nextafter(-inf), torch.rand(16, scales.numel()) * 7 * scales])
     s = scales.expand_as(x)
