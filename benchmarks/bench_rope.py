@@ -10,7 +10,8 @@ alone, µs per call in a CUDA graph of 20 calls: ``common.graph_timed``):
   head width, then bf16;
 * ``tail_in_place``: ``out[..., -64:].copy_(apply_rope(out[..., -64:]))``, a write of the
   rotated dims only (``out`` is the compiled function's input here, so Inductor mutates it);
-* ``slice_scatter``: the functional form of the same write.
+* ``slice_scatter``: the functional form of the same write;
+* ``op``: ``dsv4::rope_`` in place (the model's form now; its Triton kernel on CUDA).
 
 Each form's result is compared with the eager ``full_width`` (``equal``: bit for bit).
 
@@ -25,6 +26,7 @@ import torch
 
 from bench_step import slice_config
 from common import graph_timed
+import dsv4_compile as d4
 from dsv4_compile import layout
 from dsv4_compile.models.rope import apply_rope, layer_rope_table, rope_last
 
@@ -44,8 +46,12 @@ def forms(table: torch.Tensor) -> dict:
         rotated = apply_rope(out[..., -R:], table, pos, inverse=True).to(out.dtype)
         return torch.slice_scatter(out, rotated, dim=-1, start=out.shape[-1] - R)
 
+    def op(out, pos):
+        d4.rope_(out, table, pos, inverse=True)
+        return out
+
     return {"copy": lambda out, pos: out.clone(), "full_width": full_width,
-            "tail_in_place": tail_in_place, "slice_scatter": slice_scatter}
+            "tail_in_place": tail_in_place, "slice_scatter": slice_scatter, "op": op}
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from .ops import (
     indexer_logits,
     indexer_topk,
     quantize_store,
+    rope_,
 )
 
 __version__ = "0.1.0"
@@ -42,5 +43,6 @@ __all__ = [
     "page_bytes",
     "providers",
     "quantize_store",
+    "rope_",
     "use_provider",
 ]

@@ -249,6 +249,8 @@ _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
 _INDEXER = Checker("indexer_logits")
 _TOPK = Checker("indexer_topk")
+_ROPE = Checker("rope_")
+_ROPE_TENSORS = ("x", "freqs", "positions")
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
 MAX_INDEX_HEAD_DIM = 512
@@ -432,6 +434,39 @@ def check_indexer_topk(logits, k) -> tuple[int, int]:
 
 def check_indexer_topk_data(logits, k) -> None:
     """Nothing: every float32 value has its place in the order (NaN included)."""
+
+
+def check_rope(x, freqs, positions, inverse=False) -> int:
+    c = _ROPE
+    c.same_device(_ROPE_TENSORS, x, freqs, positions)
+    expected = f"bfloat16/float16/float32 [T, D] or [T, H, D] with D >= {layout.ROPE_DIM}"
+    if not isinstance(x, torch.Tensor) or x.dtype not in _STORE_DTYPES:
+        c.fail("x", f"a tensor {expected}", x, TypeError)
+    size = x.shape
+    if x.dim() not in (2, 3) or size[-1] < layout.ROPE_DIM:
+        c.fail("x", expected, x)
+    rank = x.dim()
+    if x.stride(-1) != 1:
+        c.fail("x", "last-dim contiguous (stride(-1) == 1)", f"strides {tuple(x.stride())}")
+    # written in place: no two rows may share memory (no stride-0 or overlapping leading dims)
+    extent = size[-1]
+    for stride, n in sorted((x.stride(d), size[d]) for d in range(rank - 1) if size[d] > 1):
+        if stride < extent:
+            c.fail("x", "rows that do not overlap (it is written in place)", f"strides {tuple(x.stride())}")
+        extent = stride * n
+    c.tensor("freqs", freqs, _F32, (None, layout.ROPE_DIM))
+    c.tensor("positions", positions, _INDEX_DTYPES, (size[0],))
+    if type(inverse) is not bool:
+        c.fail("inverse", "a bool", inverse, TypeError)
+    return size[0]
+
+
+def check_rope_data(x, freqs, positions, inverse=False) -> None:
+    if positions.numel() == 0:
+        return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= freqs.shape[0]:
+        _ROPE.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
 read_environment()

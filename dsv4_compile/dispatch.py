@@ -42,6 +42,7 @@ OPS = (
     "get_mla_metadata",
     "indexer_logits",
     "indexer_topk",
+    "rope_",
 )
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"
@@ -53,7 +54,7 @@ RANKING = {
     "sgl_kernel_xpu": 100,  # sgl-kernel-xpu on Intel GPUs (kernels/xpu.py)
     "sgl_kernel": 30,  # FlashMLA in sgl-kernel's sgl_kernel.flash_mla (kernels/flashmla.py)
     "flashmla": 20,  # FlashMLA's legacy kernels in sgl-flash-mla (kernels/flashmla.py)
-    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py, triton_indexer.py)
+    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py, triton_indexer.py, triton_rope.py)
     REFERENCE: -1000,  # plain PyTorch, every device (kernels/reference.py)
 }
 

@@ -45,6 +45,7 @@ SCHEMAS = {
     ),
     "indexer_logits": "indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
     "indexer_topk": "indexer_topk(Tensor logits, int k) -> Tensor",
+    "rope_": "rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
 }
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -153,6 +154,11 @@ def _indexer_topk_fake(logits, k):
     return indexer_topk_output(logits, k)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::rope_", lib=_lib)
+def _rope_fake(x, freqs, positions, inverse=False):
+    checks.check_rope(x, freqs, positions, inverse)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels: one trampoline per dispatch key (dispatch.backend_kernel); inference-only.
 # --------------------------------------------------------------------------------------------
@@ -172,6 +178,7 @@ CHECKS = {
     "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
     "indexer_logits": (checks.check_indexer_logits, checks.check_indexer_logits_data),
     "indexer_topk": (checks.check_indexer_topk, checks.check_indexer_topk_data),
+    "rope_": (checks.check_rope, checks.check_rope_data),
 }
 
 
@@ -214,13 +221,14 @@ CALLS = {
     "get_mla_metadata": (NoCall, lambda a: ()),
     "indexer_logits": (NoCall, lambda a: ()),
     "indexer_topk": (NoCall, lambda a: ()),
+    "rope_": (NoCall, lambda a: ()),
 }
 
 #: The inputs of each op that could require grad (floating point), as ``(position, name)``.
 GRAD_ARGS = {
     op: tuple(
         (i, a.name) for i, a in enumerate(getattr(getattr(torch.ops, NAMESPACE), op).default._schema.arguments)
-        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys", "logits")
+        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys", "logits", "x")
     )
     for op in SCHEMAS
 }
@@ -435,3 +443,24 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     if _direct_call_allowed(logits):
         return DIRECT["indexer_topk"](*args)
     return torch.ops.dsv4.indexer_topk.default(*args)
+
+
+def rope_(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> None:
+    """Rotate the last 64 dims of ``x`` in place by DSV4's interleaved RoPE: each pair
+    ``(a, b) = (x[..., D-64+2i], x[..., D-64+2i+1])`` of token ``t`` becomes ``(a c - b s, a s + b c)``
+    with ``(c, s) = (freqs[positions[t], 2i], freqs[positions[t], 2i+1])``; ``inverse`` rotates by
+    the opposite angle (``s -> -s``), undoing the forward rotation. Float32 arithmetic, one rounding
+    to ``x``'s dtype; the other dims are neither read nor written.
+
+    Args:
+        x: ``[T, D]`` or ``[T, H, D]`` bf16/fp16/fp32, ``D >= 64``, last dim contiguous, rows
+            not overlapping (written in place).
+        freqs: ``[max_pos, 64]`` float32 ``(cos_0, sin_0, cos_1, sin_1, ...)`` per position, the
+            table ``fused_k_norm_rope_flashmla`` takes.
+        positions: ``[T]`` int32/int64 in ``[0, max_pos)``.
+        inverse: rotate by ``-angle`` (DSV4's output path undoes the keys' rotation).
+    """
+    args = (x, freqs, positions, inverse)
+    if _direct_call_allowed(x, freqs, positions):
+        return DIRECT["rope_"](*args)
+    return torch.ops.dsv4.rope_.default(*args)

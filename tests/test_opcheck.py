@@ -133,7 +133,23 @@ def test_indexer_topk(case):
     torch.library.opcheck(torch.ops.dsv4.indexer_topk.default, (torch.randn(rows, width), k))
 
 
+#: x shape, dtype, inverse: the attention output's [T, H, 512] bf16 (inverse); a 2-D float32 row
+#: of 100 dims; no token
+ROPE_CASES = {
+    "T5-H4-D512-bf16-inverse": ((5, 4, 512), torch.bfloat16, True),
+    "T3-D100-fp32": ((3, 100), torch.float32, False),
+    "T0-H2-D64-bf16": ((0, 2, 64), torch.bfloat16, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_(case):
+    shape, dtype, inverse = ROPE_CASES[case]
+    args = (torch.randn(shape, dtype=dtype), torch.randn(16, 64), torch.randint(0, 16, shape[:1]), inverse)
+    torch.library.opcheck(torch.ops.dsv4.rope_.default, args)
+
+
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
-    sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, INDEXER_CASES, TOPK_CASES)
-    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4]
+    sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, INDEXER_CASES, TOPK_CASES, ROPE_CASES)
+    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4, 3]

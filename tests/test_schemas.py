@@ -53,12 +53,19 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::indexer_topk(Tensor logits, int k) -> Tensor""",
         )
 
-    def test_only_the_cache_is_mutable(self):
+    def test_rope_(self):
+        self.assertExpectedInline(
+            schema("rope_"),
+            """dsv4::rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()""",
+        )
+
+    def test_only_the_cache_and_the_rotated_tensor_are_mutable(self):
         for name in dsv4_compile.dispatch.OPS:
             args = getattr(torch.ops.dsv4, name).default._schema.arguments
             written = [a.name for a in args if a.alias_info is not None and a.alias_info.is_write]
             stores = ("fused_k_norm_rope_flashmla", "quantize_store")
-            self.assertEqual(written, ["kvcache"] if name in stores else [])
+            expected = ["kvcache"] if name in stores else ["x"] if name == "rope_" else []
+            self.assertEqual(written, expected)
 
     def test_no_composite_implicit_kernel(self):
         # CompositeImplicitAutograd would decompose the op under compile; it must stay one node.

@@ -33,7 +33,7 @@ if not triton.__version__.startswith(CHECKED_TRITON):
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import layout  # noqa: E402
 from dsv4_compile.kernels import (  # noqa: E402
-    flashmla_schedule, triton_attention, triton_indexer, triton_offline, triton_store,
+    flashmla_schedule, triton_attention, triton_indexer, triton_offline, triton_rope, triton_store,
 )
 
 
@@ -84,13 +84,15 @@ def calls():
     k = triton_indexer.TOPK_CHUNK // 4 + 1
     for width in (triton_indexer.TOPK_MAX_WIDTH, triton_indexer.TOPK_MAX_WIDTH + 1):
         yield triton_indexer.indexer_topk, (torch.randn(3, width), k)
+    for shape, dtype, inverse in (((5, 4, 512), torch.bfloat16, True), ((3, 100), torch.float32, False)):
+        yield triton_rope.rope_, (torch.randn(shape, dtype=dtype), torch.randn(16, 64), torch.arange(shape[0]), inverse)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_every_kernel_compiles(capability, request):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
-    for module in (triton_store, triton_attention, flashmla_schedule, triton_indexer):
+    for module in (triton_store, triton_attention, flashmla_schedule, triton_indexer, triton_rope):
         module._triton()
     with triton_offline.recorded(capability) as launches:
         for entry, args in calls():
@@ -106,7 +108,7 @@ def test_every_kernel_compiles(capability, request):
         assert binary.asm["cubin"], kernel.fn.__name__
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-                "_schedule_kernel", "_logits_kernel", "_topk_kernel", "_topk_looped_kernel"}
+                "_schedule_kernel", "_logits_kernel", "_topk_kernel", "_topk_looped_kernel", "_rope_kernel"}
     assert set(compiled) == expected, compiled
     from helpers import report
 

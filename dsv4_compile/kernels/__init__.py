@@ -10,7 +10,8 @@ lazily, at first use.
 * :mod:`.triton_attention` — portable Triton sparse decode and prefill (``triton``): GPUs FlashMLA
   does not serve, XPU without sgl-kernel-xpu.
 * :mod:`.triton_indexer` — the lightning indexer's block logits in Triton (``triton``, CUDA and XPU).
+* :mod:`.triton_rope` — the RoPE of a tensor's last 64 dims, in place, in Triton (``triton``, CUDA and XPU).
 * :mod:`.triton_common` — what the Triton modules share: lazy jit, availability, inlining rules.
 """
 
-from . import flashmla, reference, triton_attention, triton_indexer, triton_store, xpu  # noqa: F401 (registration)
+from . import flashmla, reference, triton_attention, triton_indexer, triton_rope, triton_store, xpu  # noqa: F401 (registration)

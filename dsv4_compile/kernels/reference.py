@@ -88,13 +88,16 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
-def rope(values: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Interleaved (GPT-J) RoPE on ``values [T, 64]``, fp32: ``(a, b) -> (a*c - b*s, a*s + b*c)``
-    with ``freqs[pos] = (c0, s0, c1, s1, ...)``."""
-    cs = freqs[positions.long()].view(-1, layout.ROPE_DIM // 2, 2)
-    cos, sin = cs[..., 0], cs[..., 1]
-    a, b = values.view(-1, layout.ROPE_DIM // 2, 2).unbind(-1)
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(-1, layout.ROPE_DIM)
+def rope(values: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved (GPT-J) RoPE on ``values [T, ..., 64]``, fp32: ``(a, b) -> (a*c - b*s, a*s + b*c)``
+    with ``freqs[pos] = (c0, s0, c1, s1, ...)`` at each token's position; ``inverse``: ``s -> -s``
+    (the rotation by the opposite angle)."""
+    cs = freqs[positions.long()].view(-1, *([1] * (values.dim() - 2)), layout.ROPE_DIM // 2, 2)
+    cos, sin = cs.unbind(-1)
+    if inverse:
+        sin = -sin
+    a, b = values.float().unflatten(-1, (layout.ROPE_DIM // 2, 2)).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
 def normed_rotated(kv, kv_weight, freqs, positions, eps, fmt: layout.CacheFormat) -> torch.Tensor:
@@ -390,6 +393,24 @@ def indexer_topk(logits, k):
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# rope_ (the RoPE of the last 64 dims, in place)
+# --------------------------------------------------------------------------------------------
+
+
+def rope_(x, freqs, positions, inverse=False):
+    """``x[..., -64:] = rope(x[..., -64:])`` (:func:`rope`, rounded to ``x``'s dtype), in blocks of
+    tokens whose float32 temporaries fit in :data:`CHUNK_BYTES`."""
+    if x.numel() == 0:
+        return
+    tail = x[..., -layout.ROPE_DIM :]
+    # ~6 float32 temporaries of the tail per token
+    step = max(1, CHUNK_BYTES // (24 * tail[0].numel()))
+    for t in range(0, x.shape[0], step):
+        rows = slice(t, t + step)
+        tail[rows] = rope(tail[rows], freqs, positions[rows], inverse)
+
+
 KERNELS = {
     "fused_k_norm_rope_flashmla": fused_k_norm_rope_flashmla,
     "quantize_store": quantize_store,
@@ -398,6 +419,7 @@ KERNELS = {
     "get_mla_metadata": get_mla_metadata,
     "indexer_logits": indexer_logits,
     "indexer_topk": indexer_topk,
+    "rope_": rope_,
 }
 
 dispatch.register_provider(dispatch.Provider(

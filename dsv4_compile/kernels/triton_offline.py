@@ -24,7 +24,7 @@ POINTER_TYPES = {
     torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1",
 }
 #: launch keywords that are compile options, not kernel parameters
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 @contextlib.contextmanager

@@ -148,7 +148,7 @@ class DeepseekV4Attention(nn.Module):
 
         attend = self._decode if meta.mode == "decode" else self._prefill
         out = attend(q, meta, blocks)  # [T, H, D] bf16
-        out = rope_last(out, self.freqs, positions, inverse=True, dtype=x.dtype, in_place=True)
+        ops.rope_(out, self.freqs, positions, inverse=True)  # in place: only the 64 rotated dims move
         # group g's heads through its block of wo_a: one batched GEMM over [G, T, H*D/G] views
         grouped = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).transpose(0, 1)
         wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1).transpose(1, 2)
