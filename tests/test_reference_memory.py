@@ -59,6 +59,11 @@ SCRIPT = textwrap.dedent(
         logits = torch.randn(65536, 1024)
         run = lambda: d4.indexer_topk(logits, 512)
         outputs = 65536 * 512 * 8
+    elif op == "rope":  # T=8192 tokens x H=64 heads of 512 (512 MB, in place): ~390 MB of temporaries unchunked
+        x = torch.empty(8192, 64, 512, dtype=torch.bfloat16).normal_()
+        freqs, pos = torch.randn(8192, 64), torch.arange(8192)
+        run = lambda: d4.rope_(x, freqs, pos, True)
+        outputs = 0
     else:  # the store: 65536 tokens
         cache = d4.alloc_cache(256, 256)
         kv = torch.empty(65536, 512, dtype=torch.bfloat16).normal_()
@@ -86,7 +91,7 @@ def _clear_refs_works() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_works(),
                     reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
-@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer", "topk"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer", "topk", "rope"])
 def test_peak_memory_is_bounded(op, request):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
