@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from common import graph_timed, timed
+from bench_step import copy_rate
+from common import graph_timed
 
 #: (name, K, N, BLOCK_N): the step's weights of ~67 MB and the LM head
 SHAPES = [("wq_b", 1024, 32768, 64), ("wo_b", 8192, 4096, 32), ("lm_head", 4096, 32000, 64)]
@@ -96,13 +97,6 @@ def gemm(x, w, out, block_n, pdl, pre):
         x, w, out, M, w.shape[0], K, PDL=pdl, PRE=pre, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         num_warps=4, num_stages=4, launch_pdl=pdl,
     )
-
-
-def copy_rate(device) -> float:
-    a = torch.empty(2**30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    us = timed(lambda: b.copy_(a), calls=5)
-    return 2 * a.numel() / (us * 1e-6)
 
 
 def run_case(name, K, N, block_n, rows, links, rate, device):
