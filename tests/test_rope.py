@@ -173,10 +173,10 @@ def test_interpreted_suite(request):
 @not_interpreted
 @pytest.mark.parametrize("shape", [(0, 512), (0, 4, 512), (3, 0, 512)])
 def test_empty_calls_do_nothing(shape):
-    x, freqs, _ = inputs((1, 512), torch.bfloat16)
-    x = torch.empty(shape, dtype=torch.bfloat16)
-    d4.rope_(x, freqs, torch.zeros(shape[0], dtype=torch.int64))
-    OP(x, freqs, torch.zeros(shape[0], dtype=torch.int64), True)
+    _, freqs, _ = inputs((1, 512), torch.bfloat16)
+    x, positions = torch.empty(shape, dtype=torch.bfloat16), torch.zeros(shape[0], dtype=torch.int64)
+    d4.rope_(x, freqs, positions)
+    OP(x, freqs, positions, True)
 
 
 def _bad_calls():
