@@ -89,14 +89,14 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def rope(values: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved (GPT-J) RoPE on ``values [T, ..., 64]``, fp32: ``(a, b) -> (a*c - b*s, a*s + b*c)``
-    with ``freqs[pos] = (c0, s0, c1, s1, ...)`` at each token's position; ``inverse``: ``s -> -s``
-    (the rotation by the opposite angle)."""
-    cs = freqs[positions.long()].view(-1, *([1] * (values.dim() - 2)), layout.ROPE_DIM // 2, 2)
+    """Interleaved (GPT-J) RoPE on ``values [T, ..., 2n]`` (DSV4: ``2n = 64``), fp32:
+    ``(a, b) -> (a*c - b*s, a*s + b*c)`` with ``freqs[pos] = (c0, s0, c1, s1, ...)`` (``[max_pos,
+    2n]``) at each token's position; ``inverse``: ``s -> -s`` (the rotation by the opposite angle)."""
+    cs = freqs[positions.long()].view(-1, *([1] * (values.dim() - 2)), values.shape[-1] // 2, 2)
     cos, sin = cs.unbind(-1)
     if inverse:
         sin = -sin
-    a, b = values.float().unflatten(-1, (layout.ROPE_DIM // 2, 2)).unbind(-1)
+    a, b = values.float().unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 

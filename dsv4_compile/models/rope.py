@@ -25,6 +25,7 @@ import math
 import torch
 
 from .. import layout
+from ..kernels import reference
 from .config import DeepseekV4Config
 
 
@@ -93,14 +94,11 @@ def apply_rope(
     """Rotate ``x [T, ..., 2n]`` (pairs ``(x[2i], x[2i+1])``) by ``table[positions]``, in float32.
 
     Forward: ``(a, b) -> (a c - b s, a s + b c)``; inverse (the conjugate rotation):
-    ``(a, b) -> (a c + b s, b c - a s)``. Returns float32 of ``x``'s shape.
+    ``(a, b) -> (a c + b s, b c - a s)``. Returns float32 of ``x``'s shape. The arithmetic of the
+    ``dsv4`` ops' reference (:func:`dsv4_compile.kernels.reference.rope`), so the model's
+    rotations and the ops' agree bit for bit.
     """
-    cs = table[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), x.shape[-1] // 2, 2)
-    cos, sin = cs[..., 0], cs[..., 1]
-    if inverse:
-        sin = -sin
-    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return reference.rope(x, table, positions, inverse)
 
 
 def rope_last(
