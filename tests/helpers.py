@@ -111,7 +111,8 @@ def patch_triton_interpreter() -> None:
 
 def run_interpreted_child(config, test_file: str, echo: tuple[str, ...] = ()) -> None:
     """Run ``test_file``'s CPU tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton reads it
-    when kernels are jitted, which this process may have done already). Fails unless the child
+    when kernels are jitted, which this process may have done already); skipped without Triton or
+    NumPy. Fails unless the child
     passes and ran at least one test; echoes its summary and the lines starting with ``echo``."""
     import os
     import re
@@ -122,6 +123,8 @@ def run_interpreted_child(config, test_file: str, echo: tuple[str, ...] = ()) ->
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this process is interpreted already: the interpreted tests run here")
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")  # the interpreter's arrays
     test_file = os.path.abspath(test_file)
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",

@@ -225,8 +225,6 @@ def test_triton_empty(device):
 @not_interpreted
 def test_interpreted_suite(request):
     """Run this file's Triton tests on CPU in a child pytest with ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")
     run_interpreted_child(request.config, __file__, echo=("indexer logits triton",))
 
 

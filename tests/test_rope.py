@@ -160,8 +160,6 @@ def test_triton_writes_only_the_rotated_dims_of_strided_rows(device):
 @not_interpreted
 def test_interpreted_suite(request):
     """Run this file's Triton tests on CPU in a child pytest with ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")
     run_interpreted_child(request.config, __file__)
 
 
@@ -222,7 +220,9 @@ def test_positions_out_of_range_in_checked_mode():
 @not_interpreted
 def test_compiled_in_place_on_an_intermediate_equals_eager():
     """Under ``torch.compile`` (one graph, no break) the op rotates a temporary the graph made, in
-    place, as eagerly; the graph's input is not written."""
+    place, as eagerly: Inductor calls it on the graph's one buffer, which it returns (no copy for
+    the op to write); the graph's input is not written."""
+    from torch._inductor.utils import run_and_get_code
 
     def f(y, freqs, positions):
         out = y * 2
@@ -234,7 +234,11 @@ def test_compiled_in_place_on_an_intermediate_equals_eager():
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    got = torch.compile(f, fullgraph=True)(x, freqs, positions)
+    got, (code, *_) = run_and_get_code(torch.compile(f, fullgraph=True), x, freqs, positions)
     assert torch.equal(got, f(x, freqs, positions))
     assert torch.equal(x, kept)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    call = code[code.index("def call"):]
+    rotated = re.search(r"torch\.ops\.dsv4\.rope_\.default\((\w+),", call)
+    assert rotated and call.count("empty_strided") == 1, call
+    assert re.search(rf"return \(.*\b{rotated[1]}\b", call), call
