@@ -132,7 +132,7 @@ def check_schedule(meta, splits, blocks, parts):
 def test_random_schedules_lay_every_block_once(device):
     rng = random.Random(0)
     for _ in range(40 if device == "cpu" else 400):
-        batch = rng.choice([1, 2, 3, 31, 32, 33, 64, 100])
+        batch = rng.choice([1, 2, 3, 7, 8, 9, 31, 32, 33, 64, 100, 129, 300])
         parts = rng.choice([1, 2, 7, 33, 66, 132])
         width = rng.choice([64, 128, 512, 1024])
         extra_width = rng.choice([0, 64, 512])

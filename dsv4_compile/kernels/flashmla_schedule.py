@@ -7,8 +7,9 @@ asking it for a schedule takes a decode over a dummy cache
 (:meth:`.flashmla.FlashMLAKernels.library_schedule`, where this program is not used: SM100,
 ``sgl_kernel``): on the H200 ~35 us per call in a CUDA graph at batch 1, against ~3 us here. This
 program computes the same tensors, bit for bit (``tests/test_flashmla_schedule.py`` compares them
-with the library's on the GPU), in one launch: the requests one after the other, then every part
-at once.
+with the library's on the GPU), in one launch: the requests one after the other (a serial chain
+of a few integer operations per request, no division on it), then every part at once (from
+histograms of the parts where the requests start and end).
 
 The rule, for FlashMLA's SM90 geometry (:data:`BLOCK` keys per block, :data:`OVERHEAD` blocks of
 fixed cost per piece):
@@ -42,35 +43,57 @@ from . import triton_common
 #: FlashMLA's SM90 sparse-decode scheduling constants (``Decode_Sm90_Impl::get_meta``).
 BLOCK = 64
 OVERHEAD = 5
-#: Requests per vector step, and warps of the one program.
-CHUNK = 32
+#: Warps of the one program; it takes a request per thread in its vector steps.
 NUM_WARPS = 4
 
 triton = tl = None  # bound by _triton()
-_BLOCK, _OVERHEAD, _FAR = BLOCK, OVERHEAD, 2**30
-_CONSTEXPRS = ("_BLOCK", "_OVERHEAD", "_FAR")
+_BLOCK, _OVERHEAD = BLOCK, OVERHEAD
+_CONSTEXPRS = ("_BLOCK", "_OVERHEAD")
 
 
-def _lay(n, i, batch, part, used, payload, room, inv_room, first_part, last_part, first_blocks):
+def _lay(n, a, r, i, batch, part, used, payload, room, first_part, last_part, first_blocks):
     """Lay request ``i`` (``n`` blocks; nothing past the batch) from ``(part, used units)``: store
-    its first part, last part and blocks in its first part; return the state after it. If it does
-    not fit it leaves ``over`` blocks for the parts after its first, ``ceil(over / room)`` of them:
-    the quotient from the float reciprocal, corrected (exact for ``over < 2^24``), since an
-    integer division would set the pace of this serial chain."""
+    its first part, last part and blocks in its first part; return the state after it.
+
+    If it does not fit it leaves ``over = used + n + OVERHEAD - payload`` blocks for the parts
+    after its first, ``ceil(over / room)`` of them. With ``n - 1 = a * room + r`` (step 2 of the
+    kernel), ``over - 1 = (a - 1) * room + (used + r)`` and ``used + r < 2 * room``, so one
+    comparison gives that count: no division sets the pace of this serial chain. Past the batch
+    it stores nothing; the state it returns then is not used."""
     live = i < batch
-    over = used + n + _OVERHEAD - payload
-    skip = (over > 0) & (used >= room)  # does not fit, and no block would: the next part
-    first = tl.where(skip, part + 1, part)  # its first part
-    over = tl.where(skip, over - used, over)
-    start = tl.where(skip, 0, used)
-    q = ((over - 1).to(tl.float32) * inv_room).to(tl.int32)  # (over - 1) // room, +-1
-    q += tl.where((over - 1) - q * room >= room, 1, 0) - tl.where((over - 1) - q * room < 0, 1, 0)
-    more = tl.where(over > 0, q + 1, 0)  # parts after the first
+    k = n + _OVERHEAD - payload
+    skip = (used + k > 0) & (used >= room)  # does not fit, and no block would: the next part
+    used = tl.where(skip, 0, used)
+    first = part + skip.to(tl.int32)  # its first part
+    over = used + k
+    t = used + r
+    wrap = t >= room
+    more = tl.where(over > 0, a + wrap.to(tl.int32), 0)  # parts after the first
+    after = tl.where(over > 0, tl.where(wrap, t - room, t) + 1 + _OVERHEAD, over + payload)
     tl.store(first_part + i, first, mask=live)
     tl.store(last_part + i, first + more, mask=live)
     tl.store(first_blocks + i, n - tl.maximum(over, 0), mask=live)  # all of them if they fit
-    after = tl.where(more == 0, start + n + _OVERHEAD, over - q * room + _OVERHEAD)
-    return tl.where(live, first + more, part), tl.where(live, after, used)
+    return first + more, after
+
+
+def _terms(work, i, batch):
+    """The blocks of requests ``i .. i + 3`` and their quotients and remainders by ``room``
+    (``_lay``'s ``n, a, r``; 0s past the batch): a tuple of 12."""
+    t = ()
+    for j in tl.static_range(4):
+        live = i + j < batch
+        t = t + (tl.load(work + i + j, mask=live, other=0), tl.load(work + batch + i + j, mask=live, other=0),
+                 tl.load(work + 2 * batch + i + j, mask=live, other=0))
+    return t
+
+
+def _lay4(t, i, batch, part, used, payload, room, first_part, last_part, first_blocks):
+    """:func:`_lay` requests ``i .. i + 3`` (``t``: their :func:`_terms`), if any is in the batch."""
+    if i < batch:
+        for j in tl.static_range(4):
+            part, used = _lay(t[3 * j], t[3 * j + 1], t[3 * j + 2], i + j, batch, part, used, payload, room,
+                              first_part, last_part, first_blocks)
+    return part, used
 
 
 def _schedule_kernel(
@@ -79,9 +102,11 @@ def _schedule_kernel(
     HAS_LENGTH: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTH: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr,
 ):
-    # work: int32 [4, batch]: blocks, first part, last part, blocks in the first part
-    blocks, first_part, last_part, first_blocks = work, work + batch, work + 2 * batch, work + 3 * batch
-    offs = tl.arange(0, CHUNK)
+    # work: int32 [6, batch]: blocks, (blocks - 1) // room and (blocks - 1) % room (_terms), first
+    # part, last part, blocks in the first part
+    blocks, quotient, remainder = work, work + batch, work + 2 * batch
+    first_part, last_part, first_blocks = work + 3 * batch, work + 4 * batch, work + 5 * batch
+    offs = tl.arange(0, CHUNK)  # CHUNK = the program's threads: no element held twice
 
     # 1. blocks per request; the payload of a part
     # (while loops: the interpreter cannot range() over an int argument)
@@ -110,49 +135,56 @@ def _schedule_kernel(
     room = payload - _OVERHEAD  # blocks of one request a part holds (>= 1)
     tl.debug_barrier()
 
-    # 2. lay the requests in order (_lay), four per step: the next four block counts are loaded
-    #    while these are laid, so the serial chain waits on no load
-    inv_room = 1.0 / room.to(tl.float32)
+    # 2. _lay's quotient and remainder, every request at once: n - 1 = a * room + r, 0 <= r < room
+    start = batch * 0
+    while start < batch:
+        r = start + offs
+        live = r < batch
+        n = tl.load(blocks + r, mask=live, other=1) - 1
+        a = n // room
+        tl.store(quotient + r, a, mask=live)
+        tl.store(remainder + r, n - a * room, mask=live)
+        start += CHUNK
+    tl.debug_barrier()
+
+    # 3. lay the requests in order (_lay), eight per step in two groups of four; each group's
+    #    terms are loaded while the other group is laid, so the serial chain seldom waits on a load
     part = total * 0
     used = total * 0
     i = batch * 0
-    n0 = tl.load(blocks + i, mask=i < batch, other=0)
-    n1 = tl.load(blocks + i + 1, mask=i + 1 < batch, other=0)
-    n2 = tl.load(blocks + i + 2, mask=i + 2 < batch, other=0)
-    n3 = tl.load(blocks + i + 3, mask=i + 3 < batch, other=0)
+    t0, t1 = _terms(work, i, batch), _terms(work, i + 4, batch)
     while i < batch:
-        m0 = tl.load(blocks + i + 4, mask=i + 4 < batch, other=0)
-        m1 = tl.load(blocks + i + 5, mask=i + 5 < batch, other=0)
-        m2 = tl.load(blocks + i + 6, mask=i + 6 < batch, other=0)
-        m3 = tl.load(blocks + i + 7, mask=i + 7 < batch, other=0)
-        part, used = _lay(n0, i, batch, part, used, payload, room, inv_room, first_part, last_part, first_blocks)
-        part, used = _lay(n1, i + 1, batch, part, used, payload, room, inv_room, first_part, last_part, first_blocks)
-        part, used = _lay(n2, i + 2, batch, part, used, payload, room, inv_room, first_part, last_part, first_blocks)
-        part, used = _lay(n3, i + 3, batch, part, used, payload, room, inv_room, first_part, last_part, first_blocks)
-        n0, n1, n2, n3 = m0, m1, m2, m3
-        i += 4
+        part, used = _lay4(t0, i, batch, part, used, payload, room, first_part, last_part, first_blocks)
+        t0 = _terms(work, i + 8, batch)
+        part, used = _lay4(t1, i + 4, batch, part, used, payload, room, first_part, last_part, first_blocks)
+        t1 = _terms(work, i + 12, batch)
+        i += 8
     tl.debug_barrier()
 
-    # 3. every part: its first request (the first that ends in it or later) and its last (the last
-    #    that starts in it or earlier), with their block ranges in it
+    # 4. every part: its first request (the first that ends in it or later: the requests ending
+    #    before it, counted) and its last (the last that starts in it or earlier: the requests
+    #    starting in it or before, counted, minus one), with their block ranges in it; the counts
+    #    from histograms of the requests' first and last parts (parts past the last are not
+    #    counted: no part reads them)
     p = tl.arange(0, PARTS)
-    before = tl.zeros([PARTS], tl.int32)
-    started = tl.zeros([PARTS], tl.int32)
+    ending = tl.zeros([PARTS], tl.int32)
+    starting = tl.zeros([PARTS], tl.int32)
     splits = total * 0
     tl.store(num_splits, splits)
     start = batch * 0
     while start < batch:
         r = start + offs
         live = r < batch
-        fp = tl.load(first_part + r, mask=live, other=_FAR)
-        lp = tl.load(last_part + r, mask=live, other=_FAR)
-        before += tl.sum((lp[None, :] < p[:, None]).to(tl.int32), axis=1)
-        started += tl.sum((fp[None, :] <= p[:, None]).to(tl.int32), axis=1)
+        fp = tl.load(first_part + r, mask=live, other=0)
+        lp = tl.load(last_part + r, mask=live, other=0)
+        starting += tl.histogram(fp, PARTS, mask=live & (fp < PARTS))
+        ending += tl.histogram(lp, PARTS, mask=live & (lp < PARTS))
         pieces = tl.where(live, lp - fp + 1, 0)
         tl.store(num_splits + 1 + r, splits + tl.cumsum(pieces, axis=0), mask=live)
         splits += tl.sum(pieces, axis=0)
         start += CHUNK
-    begin, end = before, started - 1
+    begin = tl.cumsum(ending, axis=0) - ending
+    end = tl.cumsum(starting, axis=0) - 1
     empty = begin >= batch
     b = tl.minimum(begin, batch - 1)
     b_part = tl.load(first_part + b)
@@ -179,7 +211,7 @@ def _schedule_kernel(
     tl.store(row + 7, begin * 0, mask=live)
 
 
-_JITTED = ("_lay", "_schedule_kernel")
+_JITTED = ("_lay", "_terms", "_lay4", "_schedule_kernel")
 
 
 def _triton():
@@ -205,7 +237,7 @@ def schedule(topk_length, extra_topk_length, topk: int, extra_topk: int, meta_sh
     parts = meta_shape[0]
     meta = torch.empty(meta_shape, dtype=torch.int32, device=device)
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=device)
-    work = torch.empty(4 * batch, dtype=torch.int32, device=device)
+    work = torch.empty(6 * batch, dtype=torch.int32, device=device)
     lengths = topk_length if topk_length is not None else num_splits  # stand-ins, never read
     extra_lengths = extra_topk_length if extra_topk_length is not None else num_splits
     with triton_common.device_guard(device):
@@ -214,6 +246,6 @@ def schedule(topk_length, extra_topk_length, topk: int, extra_topk: int, meta_sh
             lengths.stride()[0], extra_lengths.stride()[0],
             HAS_LENGTH=topk_length is not None, HAS_EXTRA=extra_topk > 0,
             HAS_EXTRA_LENGTH=extra_topk > 0 and extra_topk_length is not None,
-            CHUNK=CHUNK, PARTS=max(16, triton.next_power_of_2(parts)), num_warps=NUM_WARPS,
+            CHUNK=32 * NUM_WARPS, PARTS=max(32, triton.next_power_of_2(parts)), num_warps=NUM_WARPS,
         )
     return meta, num_splits
