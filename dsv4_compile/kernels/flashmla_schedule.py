@@ -76,14 +76,14 @@ def _lay(n, a, r, i, batch, part, used, payload, room, first_part, last_part, fi
     return first + more, after
 
 
-def _terms(work, i, batch):
+def _terms(blocks, quotient, remainder, i, batch):
     """The blocks of requests ``i .. i + 3`` and their quotients and remainders by ``room``
     (``_lay``'s ``n, a, r``; 0s past the batch): a tuple of 12."""
     t = ()
     for j in tl.static_range(4):
         live = i + j < batch
-        t = t + (tl.load(work + i + j, mask=live, other=0), tl.load(work + batch + i + j, mask=live, other=0),
-                 tl.load(work + 2 * batch + i + j, mask=live, other=0))
+        t = t + (tl.load(blocks + i + j, mask=live, other=0), tl.load(quotient + i + j, mask=live, other=0),
+                 tl.load(remainder + i + j, mask=live, other=0))
     return t
 
 
@@ -102,8 +102,8 @@ def _schedule_kernel(
     HAS_LENGTH: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTH: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr,
 ):
-    # work: int32 [6, batch]: blocks, (blocks - 1) // room and (blocks - 1) % room (_terms), first
-    # part, last part, blocks in the first part
+    # work: int32 [6, batch]: blocks, (blocks - 1) // room and (blocks - 1) % room (_lay's n, a, r),
+    # first part, last part, blocks in the first part
     blocks, quotient, remainder = work, work + batch, work + 2 * batch
     first_part, last_part, first_blocks = work + 3 * batch, work + 4 * batch, work + 5 * batch
     offs = tl.arange(0, CHUNK)  # CHUNK = the program's threads: no element held twice
@@ -140,10 +140,10 @@ def _schedule_kernel(
     while start < batch:
         r = start + offs
         live = r < batch
-        n = tl.load(blocks + r, mask=live, other=1) - 1
-        a = n // room
+        dividend = tl.load(blocks + r, mask=live, other=1) - 1
+        a = dividend // room
         tl.store(quotient + r, a, mask=live)
-        tl.store(remainder + r, n - a * room, mask=live)
+        tl.store(remainder + r, dividend - a * room, mask=live)
         start += CHUNK
     tl.debug_barrier()
 
@@ -152,12 +152,12 @@ def _schedule_kernel(
     part = total * 0
     used = total * 0
     i = batch * 0
-    t0, t1 = _terms(work, i, batch), _terms(work, i + 4, batch)
+    t0, t1 = _terms(blocks, quotient, remainder, i, batch), _terms(blocks, quotient, remainder, i + 4, batch)
     while i < batch:
         part, used = _lay4(t0, i, batch, part, used, payload, room, first_part, last_part, first_blocks)
-        t0 = _terms(work, i + 8, batch)
+        t0 = _terms(blocks, quotient, remainder, i + 8, batch)
         part, used = _lay4(t1, i + 4, batch, part, used, payload, room, first_part, last_part, first_blocks)
-        t1 = _terms(work, i + 12, batch)
+        t1 = _terms(blocks, quotient, remainder, i + 12, batch)
         i += 8
     tl.debug_barrier()
 
