@@ -57,10 +57,18 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, device=device, dtype=dtype, tp=tp)
 
     def forward(self, h: torch.Tensor, meta) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), meta)
+        h = residual_add(h, self.attn(self.input_norm(h), meta))
         if self.mlp is not None:
-            h = h + self.mlp(self.post_attention_norm(h))
+            h = residual_add(h, self.mlp(self.post_attention_norm(h)))
         return h
+
+
+def residual_add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``h + delta`` as PyTorch computes a bf16 add (in float32, rounded once to ``h.dtype``), so
+    the same bits. Written through float32 so that, when ``delta`` is a GEMM's output, Inductor
+    keeps the GEMM plain and fuses the sum into the next kernel, instead of making an ``addmm``
+    that first copies ``h`` into its output (benchmarks/RESULTS.md, twelfth run)."""
+    return (h.float() + delta.float()).to(h.dtype)
 
 
 class DeepseekV4Model(nn.Module):
