@@ -87,18 +87,20 @@ class Compressor(nn.Module):
 
     def _from_ring(self, kv: torch.Tensor, score: torch.Tensor, plan: CompressPlan) -> torch.Tensor:
         """Ratio 4: each candidate's ``2*ratio`` tokens from the step or the ring, the previous
-        block's first halves and this block's second halves, softmax-pooled."""
+        block's first halves and this block's second halves, softmax-pooled. Each token's half is
+        gathered alone (rows ``[*, 2d]`` viewed ``[*, 2, d]``), so no full row is gathered and
+        sliced: the step's compiled code pools straight from the gathers."""
         d, r = self.head_dim, self.ratio
+        half = (torch.arange(2 * r, device=kv.device) >= r).long()  # [S]: 0, then 1 for this block's
         from_step = plan.source_from_step[..., None]
-        pooled_kv = torch.where(from_step, kv[plan.source_row], self.state_kv[plan.source_state])
-        pooled_score = torch.where(
-            from_step, score[plan.source_row], self.state_score[plan.source_state]
-        )
         pad = plan.source_pad[..., None]
-        pooled_kv = pooled_kv.masked_fill(pad, 0.0)
-        pooled_score = pooled_score.masked_fill(pad, float("-inf"))
-        pooled_kv = torch.cat([pooled_kv[:, :r, :d], pooled_kv[:, r:, d:]], dim=1)
-        pooled_score = torch.cat([pooled_score[:, :r, :d], pooled_score[:, r:, d:]], dim=1)
+
+        def gather(step: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:  # [N, S, d]
+            from_ring = ring.unflatten(-1, (2, d))[plan.source_state, half]
+            return torch.where(from_step, step.unflatten(-1, (2, d))[plan.source_row, half], from_ring)
+
+        pooled_kv = gather(kv, self.state_kv).masked_fill(pad, 0.0)
+        pooled_score = gather(score, self.state_score).masked_fill(pad, float("-inf"))
         return (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
 
     def remember(self, plan: CompressPlan, tokens: StepTokens) -> None:
