@@ -136,7 +136,8 @@ def test_residual_add_has_the_bits_of_the_bf16_add():
 
     h, delta = spread(1 << 16).bfloat16(), spread(1 << 16).bfloat16()
     delta[:1024] = -h[:1024]
-    delta[1024:2048] = h[1024:2048] * 2.0**-8  # a sum exactly halfway between two bf16 values, or near it
+    _, exponent = torch.frexp(h[1024:2048].float())
+    delta[1024:2048] = torch.ldexp(torch.ones(1024), exponent - 9).bfloat16()  # half of h's ulp: ties
     want = (h + delta).view(torch.int16)
     assert torch.equal(residual_add(h, delta).view(torch.int16), want)
     assert torch.equal(torch.compile(residual_add, fullgraph=True)(h, delta).view(torch.int16), want)

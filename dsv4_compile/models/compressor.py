@@ -88,10 +88,12 @@ class Compressor(nn.Module):
     def _from_ring(self, kv: torch.Tensor, score: torch.Tensor, plan: CompressPlan) -> torch.Tensor:
         """Ratio 4: each candidate's ``2*ratio`` tokens from the step or the ring, the previous
         block's first halves and this block's second halves, softmax-pooled. Each token's half is
-        gathered alone (rows ``[*, 2d]`` viewed ``[*, 2, d]``), so no full row is gathered and
-        sliced: the step's compiled code pools straight from the gathers."""
+        gathered alone (rows ``[*, 2d]`` viewed ``[*, 2, d]``, indexed by row and half): half the
+        bytes of gathering whole rows, and nothing sliced or concatenated after
+        (benchmarks/RESULTS.md, twelfth run)."""
         d, r = self.head_dim, self.ratio
-        half = (torch.arange(2 * r, device=kv.device) >= r).long()  # [S]: 0, then 1 for this block's
+        # [S]: the half each pooled token contributes: 0 (the previous block's), then 1 (this one's)
+        half = (torch.arange(2 * r, device=kv.device) >= r).long()
         from_step = plan.source_from_step[..., None]
         pad = plan.source_pad[..., None]
 
