@@ -128,7 +128,8 @@ def test_chunked_prefill_equals_one_prefill(chunk_tokens):
 
 def test_residual_add_has_the_bits_of_the_bf16_add():
     """The layers' residual add, written through float32, equals PyTorch's bf16 ``h + delta`` bit
-    for bit, eagerly and compiled: magnitudes 2^-40..2^40 apart, exact cancellations, ties."""
+    for bit, eagerly and compiled: magnitudes spread over 2^-40..2^40, exact cancellations, exact
+    rounding ties."""
     gen = torch.Generator().manual_seed(0)
 
     def spread(n):

@@ -97,9 +97,11 @@ class Compressor(nn.Module):
         from_step = plan.source_from_step[..., None]
         pad = plan.source_pad[..., None]
 
-        def gather(step: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:  # [N, S, d]
-            from_ring = ring.unflatten(-1, (2, d))[plan.source_state, half]
-            return torch.where(from_step, step.unflatten(-1, (2, d))[plan.source_row, half], from_ring)
+        def halves(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [N, S, d]
+            return x.unflatten(-1, (2, d))[rows, half]
+
+        def gather(step: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+            return torch.where(from_step, halves(step, plan.source_row), halves(ring, plan.source_state))
 
         pooled_kv = gather(kv, self.state_kv).masked_fill(pad, 0.0)
         pooled_score = gather(score, self.state_score).masked_fill(pad, float("-inf"))
