@@ -247,6 +247,7 @@ _QUANTIZE_STORE = Checker("quantize_store")
 _DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
+_METADATA_STACKED = Checker("get_mla_metadata_stacked")
 _INDEXER = Checker("indexer_logits")
 _TOPK = Checker("indexer_topk")
 _ROPE = Checker("rope_")
@@ -405,6 +406,38 @@ def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) ->
 
 
 def check_metadata_data(q, indices, topk_length, extra_indices, extra_topk_length) -> None:
+    """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
+
+
+def check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length) -> tuple[int, int, int, int]:
+    """``(batch, s_q, heads, count)``: ``count`` schedules, entry ``k`` that of
+    :func:`check_metadata`'s call with indices ``topk[k]`` wide and extra indices
+    ``extra_topk[k]`` wide (0: none)."""
+    c = _METADATA_STACKED
+    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
+    lists = {"topk": topk, "topk_length": topk_length, "extra_topk": extra_topk, "extra_topk_length": extra_topk_length}
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)):
+            c.fail(name, "a list", type(value).__name__, TypeError)
+        if len(value) != len(topk):
+            c.fail(name, f"a list of {len(topk)} entries (as topk)", f"{len(value)} entries")
+    for k in range(len(topk)):
+        for name in ("topk", "extra_topk"):
+            width = lists[name][k]
+            if type(width) is not int or not 0 <= width <= MAX_INDEX_WIDTH:
+                c.fail(f"{name}[{k}]", f"an int in [0, {MAX_INDEX_WIDTH}] (an index width)", width)
+        for name in ("topk_length", "extra_topk_length"):
+            lengths = lists[name][k]
+            if lengths is not None:
+                c.tensor(f"{name}[{k}]", lengths, _I32, (batch,))
+                if lengths.device != q.device:
+                    c.fail(f"{name}[{k}]", f"on {q.device} like q", lengths.device)
+        if extra_topk[k] == 0 and extra_topk_length[k] is not None:
+            c.fail(f"extra_topk_length[{k}]", f"None when extra_topk[{k}] is 0 (no extra cache)", extra_topk_length[k])
+    return batch, s_q, heads, len(topk)
+
+
+def check_metadata_stacked_data(q, topk, topk_length, extra_topk, extra_topk_length) -> None:
     """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
 
 

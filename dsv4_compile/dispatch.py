@@ -40,13 +40,16 @@ OPS = (
     "flash_mla_with_kvcache",
     "flash_mla_sparse_fwd",
     "get_mla_metadata",
+    "get_mla_metadata_stacked",
     "indexer_logits",
     "indexer_topk",
     "rope_",
 )
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"
-DECODE, METADATA = "flash_mla_with_kvcache", "get_mla_metadata"
+DECODE = "flash_mla_with_kvcache"
+#: The ops whose schedules only the decode's provider can read: they follow it.
+METADATA_OPS = ("get_mla_metadata", "get_mla_metadata_stacked")
 
 #: Priorities of the providers this package ships (higher wins where several can serve a call):
 #: vendor libraries first, then our Triton kernels, then the reference, which serves everything.
@@ -206,13 +209,14 @@ def _forcing(forced: dict[str, str], where: str) -> dict[str, str]:
     for op in forced:
         if op not in OPS:
             raise ValueError(f"{where}: unknown op {op!r}; expected one of {OPS}")
-    if METADATA in forced and forced[METADATA] != forced.get(DECODE):
-        raise ValueError(
-            f"{where}: {METADATA} follows {DECODE}'s provider (its schedule is meaningful only to "
-            f"that kernel): force {DECODE} instead"
-        )
+    for metadata in METADATA_OPS:
+        if metadata in forced and forced[metadata] != forced.get(DECODE):
+            raise ValueError(
+                f"{where}: {metadata} follows {DECODE}'s provider (its schedule is meaningful only "
+                f"to that kernel): force {DECODE} instead"
+            )
     if DECODE in forced:
-        forced[METADATA] = forced[DECODE]
+        forced.update(dict.fromkeys(METADATA_OPS, forced[DECODE]))
     return forced
 
 

@@ -43,6 +43,10 @@ SCHEMAS = {
         "get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, "
         "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
     ),
+    "get_mla_metadata_stacked": (
+        "get_mla_metadata_stacked(Tensor q, int[] topk, Tensor?[] topk_length, int[] extra_topk, "
+        "Tensor?[] extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
+    ),
     "indexer_logits": "indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
     "indexer_topk": "indexer_topk(Tensor logits, int k) -> Tensor",
     "rope_": "rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
@@ -88,6 +92,17 @@ def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         q.new_empty(meta_shape, dtype=torch.int32),
         q.new_empty(splits_shape, dtype=torch.int32),
+    )
+
+
+def stacked_metadata_outputs(q: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``count`` stacked :func:`metadata_outputs`: ``[count, *meta_shape]`` and
+    ``[count, *splits_shape]`` int32."""
+    batch, s_q, heads = q.shape[:3]
+    meta_shape, splits_shape = dispatch.metadata_shapes(q.device, batch, s_q, heads)
+    return (
+        q.new_empty(count, *meta_shape, dtype=torch.int32),
+        q.new_empty(count, *splits_shape, dtype=torch.int32),
     )
 
 
@@ -142,6 +157,12 @@ def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
     return metadata_outputs(q)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::get_mla_metadata_stacked", lib=_lib)
+def _metadata_stacked_fake(q, topk, topk_length, extra_topk, extra_topk_length):
+    count = checks.check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length)[3]
+    return stacked_metadata_outputs(q, count)
+
+
 @torch.library.register_fake(f"{NAMESPACE}::indexer_logits", lib=_lib)
 def _indexer_logits_fake(q, weights, keys, block_slots):
     checks.check_indexer_logits(q, weights, keys, block_slots)
@@ -176,6 +197,7 @@ CHECKS = {
     "flash_mla_with_kvcache": (checks.check_decode, checks.check_decode_data),
     "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
     "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
+    "get_mla_metadata_stacked": (checks.check_metadata_stacked, checks.check_metadata_stacked_data),
     "indexer_logits": (checks.check_indexer_logits, checks.check_indexer_logits_data),
     "indexer_topk": (checks.check_indexer_topk, checks.check_indexer_topk_data),
     "rope_": (checks.check_rope, checks.check_rope_data),
@@ -219,6 +241,7 @@ CALLS = {
     ),
     "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
     "get_mla_metadata": (NoCall, lambda a: ()),
+    "get_mla_metadata_stacked": (NoCall, lambda a: ()),
     "indexer_logits": (NoCall, lambda a: ()),
     "indexer_topk": (NoCall, lambda a: ()),
     "rope_": (NoCall, lambda a: ()),
@@ -403,6 +426,34 @@ def get_mla_metadata(
     if _direct_call_allowed(*args):
         return DIRECT["get_mla_metadata"](*args)
     return torch.ops.dsv4.get_mla_metadata.default(*args)
+
+
+def get_mla_metadata_stacked(
+    q: torch.Tensor,
+    topk: list[int],
+    topk_length: list[torch.Tensor | None],
+    extra_topk: list[int],
+    extra_topk_length: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several decode schedules of one step at once, stacked: ``(tile_scheduler_metadata
+    [K, ...], num_splits [K, ...])``, entry ``k`` equal to :func:`get_mla_metadata` for indices
+    ``topk[k]`` wide with ``topk_length[k]`` and extra indices ``extra_topk[k]`` wide (0: no extra
+    cache) with ``extra_topk_length[k]`` (docs/design.md §2.3). A schedule depends on the index
+    widths and the length values only, so the indices themselves are not needed; on FlashMLA's
+    SM90 kernels the ``K`` schedules are computed side by side in one launch (a model's layer
+    kinds: one launch per step instead of one per kind).
+
+    Args:
+        q: ``[B, s_q, H, 512]`` bf16 queries (their shape sets the geometry).
+        topk: ``K`` index widths (``indices.shape[-1]`` of each decode).
+        topk_length: ``K`` ``[B]`` int32 tensors or ``None``.
+        extra_topk: ``K`` extra index widths, 0 without an extra cache.
+        extra_topk_length: ``K`` ``[B]`` int32 tensors or ``None`` (``None`` where ``extra_topk`` is 0).
+    """
+    args = (q, list(topk), list(topk_length), list(extra_topk), list(extra_topk_length))
+    if _direct_call_allowed(q, *topk_length, *extra_topk_length):
+        return DIRECT["get_mla_metadata_stacked"](*args)
+    return torch.ops.dsv4.get_mla_metadata_stacked.default(*args)
 
 
 def indexer_logits(

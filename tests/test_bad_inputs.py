@@ -134,6 +134,26 @@ def test_metadata_rejects_mismatched_indices():
         META(torch.randn(2, 1, 8, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 4, dtype=torch.int32), None, None, None)
 
 
+@pytest.mark.parametrize(
+    "over, arg, expected",
+    [
+        (dict(topk=[128]), "topk_length", r"a list of 1 entries \(as topk\), got 2 entries"),
+        (dict(topk=[128, 2**21]), r"topk\[1\]", r"an int in \[0, 1048576\] \(an index width\), got 2097152"),
+        (dict(extra_topk=[0, -1]), r"extra_topk\[1\]", r"an int in \[0, 1048576\] \(an index width\), got -1"),
+        (dict(topk_length=[None, torch.zeros(3, dtype=torch.int32)]), r"topk_length\[1\]", r"int32 \[2\], got int32 \[3\]"),
+        (dict(extra_topk=[0, 0]), r"extra_topk_length\[1\]", r"None when extra_topk\[1\] is 0"),
+    ],
+)
+def test_stacked_metadata_names_the_entry(over, arg, expected):
+    """Each list is as long as ``topk``; an entry's error names it with its index."""
+    lengths = torch.tensor([3, 4], dtype=torch.int32)
+    args = dict(q=torch.randn(2, 1, 8, 512, dtype=torch.bfloat16), topk=[128, 64], topk_length=[lengths, None],
+                extra_topk=[0, 512], extra_topk_length=[None, lengths])
+    args.update(over)
+    with pytest.raises(ValueError, match=rf"^dsv4\.get_mla_metadata_stacked: {arg} must be {expected}"):
+        torch.ops.dsv4.get_mla_metadata_stacked.default(*args.values())
+
+
 def test_fake_raises_the_same_errors():
     """Under FakeTensorMode (what torch.compile traces with) the metadata errors are identical."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -73,11 +73,12 @@ def test_env_override_is_read_at_reset(monkeypatch, fake_provider):
     dispatch.reset()
 
 
-def test_metadata_follows_the_decode_override():
+@pytest.mark.parametrize("op", ["get_mla_metadata", "get_mla_metadata_stacked"])
+def test_metadata_follows_the_decode_override(op):
     with d4.use_provider("reference", ops=("flash_mla_with_kvcache",)):
-        assert dispatch.forced_providers()["get_mla_metadata"] == "reference"
-    with pytest.raises(ValueError, match="follows flash_mla_with_kvcache"):
-        with d4.use_provider("reference", ops=("get_mla_metadata",)):
+        assert dispatch.forced_providers()[op] == "reference"
+    with pytest.raises(ValueError, match=f"{op} follows flash_mla_with_kvcache"):
+        with d4.use_provider("reference", ops=(op,)):
             pass
 
 

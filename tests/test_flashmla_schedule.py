@@ -150,6 +150,55 @@ def test_strided_lengths(device):
     assert [t.tolist() for t in got] == list(want)
 
 
+def random_problems(rng, device, batch, count):
+    """``count`` random ``(topk_length, extra_topk_length, width, extra_width)`` schedules."""
+    problems = []
+    for _ in range(count):
+        width, extra_width = rng.choice([64, 128, 640, 1024]), rng.choice([0, 0, 64, 512])
+        lengths = torch.tensor([rng.randint(0, width) for _ in range(batch)], dtype=torch.int32, device=device)
+        extra = torch.tensor([rng.randint(0, extra_width) for _ in range(batch)], dtype=torch.int32, device=device)
+        problems.append((lengths if rng.random() < 0.8 else None,
+                         extra if extra_width and rng.random() < 0.8 else None, width, extra_width))
+    return problems
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stacked_schedules_equal_one_at_a_time(device):
+    """Several schedules from one launch (up to four programs side by side; more in further
+    launches): each equal to the schedule computed alone."""
+    rng = random.Random(2)
+    for _ in range(12 if device == "cpu" else 30):
+        batch, parts = rng.choice([1, 3, 33, 64, 129]), rng.choice([1, 7, 132])
+        problems = random_problems(rng, device, batch, rng.choice([1, 2, 3, 4, 5, 9]))
+        meta, splits = flashmla_schedule.schedules(problems, (parts, 8), batch, torch.device(device))
+        assert meta.shape == (len(problems), parts, 8) and splits.shape == (len(problems), batch + 1)
+        for k, problem in enumerate(problems):
+            alone = flashmla_schedule.schedule(*problem, (parts, 8), batch, torch.device(device))
+            assert torch.equal(meta[k], alone[0]) and torch.equal(splits[k], alone[1]), (k, batch, parts)
+
+
+@pytest.mark.cuda
+def test_the_stacked_op_equals_the_op_per_entry():
+    """``dsv4::get_mla_metadata_stacked`` on CUDA (FlashMLA's provider: one launch on SM90, the
+    library per entry elsewhere): entry k is ``get_mla_metadata`` for indices of its widths."""
+    pytest.importorskip("flash_mla")
+    import dsv4_compile as d4
+
+    device = torch.device("cuda")
+    rng = random.Random(3)
+    for case in range(8):  # each new combination of schedules compiles a program: few cases
+        batch, heads = rng.choice([1, 8, 64, 100]), rng.choice([64, 128])
+        q = torch.zeros(batch, 1, heads, 512, dtype=torch.bfloat16, device=device)
+        problems = random_problems(rng, device, batch, rng.choice([1, 3, 5]))
+        meta, splits = d4.get_mla_metadata_stacked(
+            q, [p[2] for p in problems], [p[0] for p in problems], [p[3] for p in problems], [p[1] for p in problems])
+        for k, (lengths, extra_lengths, width, extra_width) in enumerate(problems):
+            idx = torch.zeros(batch, 1, width, dtype=torch.int32, device=device)
+            extra_idx = torch.zeros(batch, 1, extra_width, dtype=torch.int32, device=device) if extra_width else None
+            want = d4.get_mla_metadata(q, idx, lengths, extra_idx, extra_lengths)
+            assert torch.equal(meta[k], want[0]) and torch.equal(splits[k], want[1]), (case, k)
+
+
 @pytest.mark.cuda
 def test_equals_the_librarys_scheduler():
     """Our schedule and FlashMLA's (its decode over a dummy cache), on the GPU, bit for bit."""

@@ -200,8 +200,11 @@ def test_compiled_decode_generates_what_eager_generates(kv_format):
 
     got_tokens, got_logits = run_generation(compiled_model, decode, follow=want_tokens)
     code = "\n".join(codes)
-    for op in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache", "get_mla_metadata"):
+    for op in ("fused_k_norm_rope_flashmla", "flash_mla_with_kvcache"):
         assert f"torch.ops.dsv4.{op}.default" in code, op
+    # every layer kind's schedule from one call per step
+    assert code.count("torch.ops.dsv4.get_mla_metadata_stacked.default(") == len(codes), codes
+    assert "torch.ops.dsv4.get_mla_metadata.default(" not in code
     for layer in compiled_model.layers:
         assert_no_cache_copy(code, layer.attn)
     for got, want in zip(got_logits, want_logits):

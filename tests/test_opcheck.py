@@ -118,6 +118,26 @@ def test_metadata(case):
     torch.library.opcheck(torch.ops.dsv4.get_mla_metadata.default, metadata_sample(case))
 
 
+#: (batch, [(topk, lengths given, extra_topk, extra lengths given)]): the model's three layer
+#: kinds; one schedule; none; no request
+METADATA_STACKED_CASES = {
+    "kinds": (3, [(128, True, 0, False), (128, True, 512, True), (128, True, 32, True)]),
+    "one-no-lengths": (2, [(64, False, 64, False)]),
+    "none": (3, []),
+    "empty-batch": (0, [(128, True, 64, True)]),
+}
+
+
+@pytest.mark.parametrize("case", list(METADATA_STACKED_CASES))
+def test_metadata_stacked(case):
+    batch, entries = METADATA_STACKED_CASES[case]
+    q = torch.randn(batch, 1, 64, 512, dtype=torch.bfloat16)
+    lengths = torch.arange(batch, dtype=torch.int32)
+    args = (q, [e[0] for e in entries], [lengths if e[1] else None for e in entries],
+            [e[2] for e in entries], [lengths if e[3] else None for e in entries])
+    torch.library.opcheck(torch.ops.dsv4.get_mla_metadata_stacked.default, args)
+
+
 @pytest.mark.parametrize("case", list(INDEXER_CASES))
 def test_indexer_logits(case):
     torch.library.opcheck(torch.ops.dsv4.indexer_logits.default, indexer_sample(*INDEXER_CASES[case]))

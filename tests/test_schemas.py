@@ -41,6 +41,12 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)""",
         )
 
+    def test_metadata_stacked(self):
+        self.assertExpectedInline(
+            schema("get_mla_metadata_stacked"),
+            """dsv4::get_mla_metadata_stacked(Tensor q, int[] topk, Tensor?[] topk_length, int[] extra_topk, Tensor?[] extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)""",
+        )
+
     def test_indexer_logits(self):
         self.assertExpectedInline(
             schema("indexer_logits"),

@@ -73,6 +73,10 @@ def calls():
         yield flashmla_schedule.schedule, (
             length if lengths else None, length if lengths and extra else None, 128, 64 if extra else 0, (132, 8), 3, torch.device("cpu"),
         )
+    length = torch.full((3,), 100, dtype=torch.int32)  # the model's three layer kinds in one launch
+    yield flashmla_schedule.schedules, (
+        [(length, None, 128, 0), (length, length, 128, 512), (length, length, 128, 64)], (132, 8), 3, torch.device("cpu"),
+    )
     for dim in (128, 200):  # the wide geometry past 128
         slots = torch.randint(-1, 9, (3, 70), generator=g)
         yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)

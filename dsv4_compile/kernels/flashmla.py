@@ -128,27 +128,49 @@ class FlashMLAKernels:
         meta_shape, splits_shape = metadata_shapes(q.device, batch, s_q, heads)
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; the decode will not launch
             return (q.new_zeros(meta_shape, dtype=torch.int32), q.new_zeros(splits_shape, dtype=torch.int32))
-        if not self.own_schedule:
-            return self.library_schedule(q, indices, topk_length, extra_indices, extra_topk_length)
         width, extra_width = _decode_widths(indices, extra_indices)
+        if not self.own_schedule:
+            return self._library_schedule(q, topk_length, extra_topk_length, width, None if extra_indices is None else extra_width)
         return flashmla_schedule.schedule(
             topk_length, extra_topk_length, width, extra_width, meta_shape, batch, q.device)
+
+    def get_mla_metadata_stacked(self, q, topk, topk_length, extra_topk, extra_topk_length):
+        """:meth:`get_mla_metadata` for each entry, stacked; on SM90 (``own_schedule``) all of
+        them from one launch (:func:`.flashmla_schedule.schedules`)."""
+        batch, s_q, heads = q.shape[:3]
+        meta_shape, _ = metadata_shapes(q.device, batch, s_q, heads)
+        if batch == 0 or s_q == 0 or not topk:  # FlashMLA refuses empty launches; the decode will not launch
+            return tuple(t.zero_() for t in ops.stacked_metadata_outputs(q, len(topk)))
+        # the decode's padded widths (_decode_widths), 0 without an extra cache
+        widths = [(_round_up(w, DECODE_TOPK_MULTIPLE), _round_up(e, DECODE_TOPK_MULTIPLE) if e else 0)
+                  for w, e in zip(topk, extra_topk)]
+        if not self.own_schedule:
+            found = [self._library_schedule(q, lengths, extra_lengths, width, extra_width or None)
+                     for (width, extra_width), lengths, extra_lengths in zip(widths, topk_length, extra_topk_length)]
+            return torch.stack([m for m, _ in found]), torch.stack([n for _, n in found])
+        problems = [(lengths, extra_lengths, width, extra_width)
+                    for (width, extra_width), lengths, extra_lengths in zip(widths, topk_length, extra_topk_length)]
+        return flashmla_schedule.schedules(problems, meta_shape, batch, q.device)
 
     def library_schedule(self, q, indices, topk_length, extra_indices, extra_topk_length):
         """FlashMLA's scheduler, run by the library (``batch, s_q >= 1``). It has no standalone op
         for the sparse-decode scheduler, so run its decode once with every index a hole over a
         one-page dummy cache: it schedules from ``topk_length`` / ``extra_topk_length`` and the
         widths only, reads no key, and returns the fresh metadata."""
+        width, extra_width = _decode_widths(indices, extra_indices)
+        return self._library_schedule(q, topk_length, extra_topk_length, width, None if extra_indices is None else extra_width)
+
+    def _library_schedule(self, q, topk_length, extra_topk_length, width: int, extra_width: int | None):
+        """:meth:`library_schedule` for padded widths; ``extra_width`` ``None``: no extra cache."""
         batch, s_q, heads = q.shape[:3]
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
         # a zeroed one-page V4 cache, allocated per call: a cached one, allocated by the first
         # call, would live in the CUDA-graph pool if that call ran in a warm-up
         dummy = layout.flashmla_view(layout.alloc_cache(1, _DUMMY_PAGE, q.device), _DUMMY_PAGE)
-        width, extra_width = _decode_widths(indices, extra_indices)
         holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
         extra_kv = extra_holes = None
-        if extra_indices is not None:
+        if extra_width is not None:
             extra_kv = dummy
             extra_holes = torch.full((batch, s_q, extra_width), -1, dtype=torch.int32, device=q.device)
         _, _, meta, splits = self._raw_decode(
@@ -273,6 +295,7 @@ class FlashMLAKernels:
             "flash_mla_with_kvcache": self.flash_mla_with_kvcache,
             "flash_mla_sparse_fwd": self.flash_mla_sparse_fwd,
             "get_mla_metadata": self.get_mla_metadata,
+            "get_mla_metadata_stacked": self.get_mla_metadata_stacked,
         }
 
 
@@ -394,7 +417,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+_FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "get_mla_metadata_stacked")
 
 def _v4_decode(device: torch.device, call) -> bool:
     """V4 caches; SM100's V4 decode reads pages with the tensor-memory accelerator: page strides

@@ -96,12 +96,16 @@ def _lay4(t, i, batch, part, used, payload, room, first_part, last_part, first_b
     return part, used
 
 
-def _schedule_kernel(
+def _schedule(
     topk_length, extra_topk_length, meta, num_splits, work,
     batch, parts, topk, extra_topk, length_stride, extra_length_stride,
-    HAS_LENGTH: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTH: tl.constexpr,
-    CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    FLAGS: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
 ):
+    """One schedule. ``FLAGS``: bit 0 ``topk_length`` given, bit 1 an extra cache
+    (``extra_topk > 0``), bit 2 ``extra_topk_length`` given."""
+    HAS_LENGTH: tl.constexpr = (FLAGS & 1) != 0
+    HAS_EXTRA: tl.constexpr = (FLAGS & 2) != 0
+    HAS_EXTRA_LENGTH: tl.constexpr = (FLAGS & 4) != 0
     # work: int32 [6, batch]: blocks, (blocks - 1) // room and (blocks - 1) % room (_lay's n, a, r),
     # first part, last part, blocks in the first part
     blocks, quotient, remainder = work, work + batch, work + 2 * batch
@@ -211,7 +215,41 @@ def _schedule_kernel(
     tl.store(row + 7, begin * 0, mask=live)
 
 
-_JITTED = ("_lay", "_terms", "_lay4", "_schedule_kernel")
+def _schedule_kernel(
+    meta, num_splits, work, batch, parts,
+    lengths0, extra_lengths0, topk0, extra_topk0, stride0, extra_stride0,
+    lengths1, extra_lengths1, topk1, extra_topk1, stride1, extra_stride1,
+    lengths2, extra_lengths2, topk2, extra_topk2, stride2, extra_stride2,
+    lengths3, extra_lengths3, topk3, extra_topk3, stride3, extra_stride3,
+    FLAGS0: tl.constexpr, FLAGS1: tl.constexpr, FLAGS2: tl.constexpr, FLAGS3: tl.constexpr,
+    NUM: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+):
+    # program k computes schedule k (of NUM <= 4) into the k-th [parts, 8] / [batch + 1] / [6, batch]
+    # of meta / num_splits / work; the schedules are independent, so they run side by side
+    k = tl.program_id(0)
+    meta += k * parts * 8
+    num_splits += k * (batch + 1)
+    work += k * 6 * batch
+    if k == 0:
+        _schedule(lengths0, extra_lengths0, meta, num_splits, work, batch, parts, topk0, extra_topk0,
+                  stride0, extra_stride0, FLAGS0, CHUNK, PARTS)
+    if NUM > 1:
+        if k == 1:
+            _schedule(lengths1, extra_lengths1, meta, num_splits, work, batch, parts, topk1, extra_topk1,
+                      stride1, extra_stride1, FLAGS1, CHUNK, PARTS)
+    if NUM > 2:
+        if k == 2:
+            _schedule(lengths2, extra_lengths2, meta, num_splits, work, batch, parts, topk2, extra_topk2,
+                      stride2, extra_stride2, FLAGS2, CHUNK, PARTS)
+    if NUM > 3:
+        if k == 3:
+            _schedule(lengths3, extra_lengths3, meta, num_splits, work, batch, parts, topk3, extra_topk3,
+                      stride3, extra_stride3, FLAGS3, CHUNK, PARTS)
+
+
+#: Schedules one launch computes (one program each).
+PER_LAUNCH = 4
+_JITTED = ("_lay", "_terms", "_lay4", "_schedule", "_schedule_kernel")
 
 
 def _triton():
@@ -233,19 +271,35 @@ def schedule(topk_length, extra_topk_length, topk: int, extra_topk: int, meta_sh
     num_splits [batch + 1])`` int32 on ``device``, for ``batch >= 1`` requests of ``topk`` (the
     padded index width) / ``extra_topk`` (the padded extra width, 0 without an extra cache) keys,
     ``topk_length`` / ``extra_topk_length`` ``[batch]`` int32 or ``None``. One launch, no host sync."""
+    meta, num_splits = schedules([(topk_length, extra_topk_length, topk, extra_topk)], meta_shape, batch, device)
+    return meta[0], num_splits[0]
+
+
+def schedules(problems, meta_shape, batch: int, device):
+    """:func:`schedule` for each of ``problems``, ``(topk_length, extra_topk_length, topk,
+    extra_topk)`` tuples, stacked: ``(tile_scheduler_metadata [K, parts, 8], num_splits
+    [K, batch + 1])``. One launch per :data:`PER_LAUNCH` schedules, one program each."""
     _triton()
-    parts = meta_shape[0]
-    meta = torch.empty(meta_shape, dtype=torch.int32, device=device)
-    num_splits = torch.empty(batch + 1, dtype=torch.int32, device=device)
-    work = torch.empty(6 * batch, dtype=torch.int32, device=device)
-    lengths = topk_length if topk_length is not None else num_splits  # stand-ins, never read
-    extra_lengths = extra_topk_length if extra_topk_length is not None else num_splits
+    count, parts = len(problems), meta_shape[0]
+    meta = torch.empty(count, *meta_shape, dtype=torch.int32, device=device)
+    num_splits = torch.empty(count, batch + 1, dtype=torch.int32, device=device)
+    work = torch.empty(count, 6 * batch, dtype=torch.int32, device=device)
     with triton_common.device_guard(device):
-        triton_common.eager(_schedule_kernel)[(1,)](
-            lengths, extra_lengths, meta, num_splits, work, batch, parts, topk, extra_topk,
-            lengths.stride()[0], extra_lengths.stride()[0],
-            HAS_LENGTH=topk_length is not None, HAS_EXTRA=extra_topk > 0,
-            HAS_EXTRA_LENGTH=extra_topk > 0 and extra_topk_length is not None,
-            CHUNK=32 * NUM_WARPS, PARTS=max(32, triton.next_power_of_2(parts)), num_warps=NUM_WARPS,
-        )
+        for first in range(0, count, PER_LAUNCH):
+            group = problems[first : first + PER_LAUNCH]
+            args, flags = [], []
+            for topk_length, extra_topk_length, topk, extra_topk in group:
+                has_extra = extra_topk > 0
+                lengths = topk_length if topk_length is not None else num_splits  # stand-ins, never read
+                extra_lengths = extra_topk_length if has_extra and extra_topk_length is not None else num_splits
+                args += [lengths, extra_lengths, topk, extra_topk, lengths.stride()[0], extra_lengths.stride()[0]]
+                flags.append((topk_length is not None) | has_extra << 1 | (has_extra and extra_topk_length is not None) << 2)
+            for _ in range(len(group), PER_LAUNCH):  # absent schedules: never run (NUM)
+                args += [num_splits, num_splits, 0, 0, 0, 0]
+                flags.append(0)
+            triton_common.eager(_schedule_kernel)[(len(group),)](
+                meta[first], num_splits[first], work[first], batch, parts, *args,
+                FLAGS0=flags[0], FLAGS1=flags[1], FLAGS2=flags[2], FLAGS3=flags[3], NUM=len(group),
+                CHUNK=32 * NUM_WARPS, PARTS=max(32, triton.next_power_of_2(parts)), num_warps=NUM_WARPS,
+            )
     return meta, num_splits

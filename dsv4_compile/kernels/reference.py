@@ -297,6 +297,12 @@ def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
     return meta.zero_(), splits.zero_()
 
 
+def get_mla_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length):
+    """:func:`get_mla_metadata`'s zeros, ``len(topk)`` of them stacked."""
+    meta, splits = ops.stacked_metadata_outputs(q, len(topk))
+    return meta.zero_(), splits.zero_()
+
+
 # --------------------------------------------------------------------------------------------
 # flash_mla_sparse_fwd (sparse prefill over a bf16 workspace)
 # --------------------------------------------------------------------------------------------
@@ -417,6 +423,7 @@ KERNELS = {
     "flash_mla_with_kvcache": flash_mla_with_kvcache,
     "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
     "get_mla_metadata": get_mla_metadata,
+    "get_mla_metadata_stacked": get_mla_metadata_stacked,
     "indexer_logits": indexer_logits,
     "indexer_topk": indexer_topk,
     "rope_": rope_,

@@ -69,6 +69,7 @@ def load(device: torch.device) -> dict[str, Callable]:
         "flash_mla_with_kvcache": adapters.flash_mla_with_kvcache,
         "flash_mla_sparse_fwd": adapters.flash_mla_sparse_fwd,
         "get_mla_metadata": reference.get_mla_metadata,  # no scheduler: two empty tensors
+        "get_mla_metadata_stacked": reference.get_mla_metadata_stacked,
     }
 
 

@@ -105,6 +105,10 @@ class DeepseekV4Attention(nn.Module):
             ))
         if compress_ratio == 4:
             self.indexer = Indexer(config, cache, freqs, device=device, dtype=dtype, tp=tp)
+        #: the decode's extra index width (0: no extra cache): the indexer's top-k, or every block
+        self.extra_width = (
+            config.index_topk if compress_ratio == 4 else cache.max_blocks(compress_ratio) if compress_ratio else 0
+        )
 
         # every projection of x, replicated across ranks and stacked: one GEMM reads them all.
         # bf16 outputs first (the indexer's head weights for all its heads: a rank takes its own
@@ -193,7 +197,7 @@ class DeepseekV4Attention(nn.Module):
                 extra_k_cache=self.compressed_cache,
                 extra_page_size=self.compressed_page_size,
                 extra_indices=torch.where(blocks >= 0, slots, -1).int().unsqueeze(1),
-                extra_topk_length=torch.clamp(plan.lengths, max=blocks.shape[1]).int(),
+                extra_topk_length=plan.visible(blocks.shape[1]),
                 extra_kv_format=self.compressed_format,
             )
         q = q.unsqueeze(1)  # one query row per token: [T, 1, H, D]

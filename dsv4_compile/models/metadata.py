@@ -107,6 +107,11 @@ class CompressPlan:
     pooled: Pooling | None = None  # [N] the candidates' blocks
     carry: Pooling | None = None  # [B] each batch row's unfinished block after the step
 
+    def visible(self, width: int) -> torch.Tensor:
+        """``[T]`` int32: the compressed blocks a decode with extra indices ``width`` wide counts
+        per query (its ``extra_topk_length``): the visible ones, at most ``width``."""
+        return torch.clamp(self.lengths, max=width).int()
+
 
 @dataclass
 class StepMetadata:
@@ -121,16 +126,37 @@ class StepMetadata:
     window_lengths: torch.Tensor  # [T] int32: min(pos + 1, W)
     window_workspace_slots: torch.Tensor | None  # prefill: [T + B*(W-1)] window-cache slots, -1 = zero row
     plans: dict[int, CompressPlan]
+    #: decode: each layer kind's extra index width (0: no extra cache), where the caller knows every
+    #: kind of the step (the model); the first schedule then computes all of them (:meth:`scheduler`)
+    extra_widths: dict[int, int] | None = None
     #: decode scheduler metadata per layer kind, computed by the first layer of the kind
     schedulers: dict = field(default_factory=dict)
 
     def scheduler(self, kind: int, q, indices, lengths, extra_indices, extra_lengths):
         """``get_mla_metadata`` once per step and layer kind (0, 4, 128): the shapes and lengths of
-        a kind are the same in every layer of the step."""
+        a kind are the same in every layer of the step. With :attr:`extra_widths`, the first call
+        computes every kind's schedule in one ``get_mla_metadata_stacked`` (one launch where
+        FlashMLA's SM90 schedule is ours), for the window indices and lengths and, per kind, extra
+        indices of its width counting :meth:`CompressPlan.visible` blocks: what the layers pass."""
         if kind not in self.schedulers:
-            self.schedulers[kind] = ops.get_mla_metadata(
-                q, indices, lengths, extra_indices, extra_lengths
+            widths = self.extra_widths
+            if widths is None or kind not in widths:
+                self.schedulers[kind] = ops.get_mla_metadata(q, indices, lengths, extra_indices, extra_lengths)
+                return self.schedulers[kind]
+            width = 0 if extra_indices is None else extra_indices.shape[-1]
+            if width != widths[kind] or indices.shape[-1] != self.window_indices.shape[-1]:
+                raise ValueError(
+                    f"the decode of layer kind {kind} has indices {indices.shape[-1]} and extra indices {width} "
+                    f"wide; the step's schedules were planned for {self.window_indices.shape[-1]} and "
+                    f"{widths[kind]} (StepMetadata.extra_widths)"
+                )
+            kinds = list(widths)
+            meta, splits = ops.get_mla_metadata_stacked(
+                q, [self.window_indices.shape[-1]] * len(kinds), [self.window_lengths] * len(kinds),
+                [widths[k] for k in kinds],
+                [self.plans[k].visible(widths[k]) if widths[k] else None for k in kinds],
             )
+            self.schedulers.update({k: (meta[i], splits[i]) for i, k in enumerate(kinds)})
         return self.schedulers[kind]
 
 
@@ -152,8 +178,10 @@ def build_step_metadata(
     window: int,
     ratios: tuple[int, ...] = (4, 128),
     mode: str = "decode",
+    extra_widths: dict[int, int] | None = None,
 ) -> StepMetadata:
     """Build the :class:`StepMetadata` of one step (traceable; fixed shapes; no host sync).
+    ``extra_widths``: :attr:`StepMetadata.extra_widths` (decode).
 
     The token rows are grouped by batch row, in order (``batch_index`` non-decreasing), every
     batch row with one token at least, as :mod:`dsv4_compile.generation` lays them out."""
@@ -220,6 +248,7 @@ def build_step_metadata(
         window_lengths=window_lengths,
         window_workspace_slots=window_workspace_slots,
         plans=plans,
+        extra_widths=extra_widths if mode == "decode" else None,
     )
 
 

@@ -98,6 +98,8 @@ class DeepseekV4Model(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, r, cache, device=device, dtype=dtype, tp=tp) for r in ratios
         )
+        #: each layer kind's extra index width: the step's decode schedules, all in one call
+        self.extra_widths = {layer.attn.compress_ratio: layer.attn.extra_width for layer in self.layers}
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.lm_head = nn.Linear(
             config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
@@ -120,7 +122,7 @@ class DeepseekV4Model(nn.Module):
         meta = build_step_metadata(
             positions, batch_index, seq_lens, req_slots, self.page_table,
             cache=self.cache, window=self.config.sliding_window,
-            ratios=self.compressed_ratios, mode=mode,
+            ratios=self.compressed_ratios, mode=mode, extra_widths=self.extra_widths,
         )
         h = self.embed(input_ids)
         for layer in self.layers:
