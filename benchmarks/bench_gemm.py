@@ -32,7 +32,7 @@ from common import graph_timed
 
 SHAPES = {  # name: (G, N, K)
     "lm_head": (1, 32000, 4096), "wq_b": (1, 32768, 1024), "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192),
-    "x_proj ratio 4": (1, 4160, 4096), "x_proj ratio 0": (1, 1536, 4096), "indexer wq_b": (1, 8192, 1024),
+    "x_proj ratio 4": (1, 4096, 4096), "x_proj ratio 0": (1, 1536, 4096), "indexer wq_b": (1, 8192, 1024),
 }
 SMS = 132
 

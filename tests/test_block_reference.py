@@ -125,7 +125,7 @@ class Reference:
         keys = rotate(blocks, torch.arange(len(blocks)) * 4, self.f) @ h
         q = bf16(linear(q_lora, ix.wq_b.weight)).view(len(x_new), ix.heads, ix.head_dim)
         q = rotate(q, pos, self.f) @ h
-        w = bf16(linear(x_new, self.layer.x_weight("indexer.weights_proj"))) * ix.head_dim**-0.5 * ix.heads**-0.5
+        w = bf16(linear(x_new, ix.weights_proj.weight)) * ix.head_dim**-0.5 * ix.heads**-0.5
         logits = torch.einsum("nh,nhk->nk", w, torch.einsum("nhd,kd->nhk", q, keys).relu())
         visible = torch.arange(len(blocks))[None] < ((pos + 1) // 4)[:, None]
         return logits.masked_fill(~visible, -math.inf)

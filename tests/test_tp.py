@@ -44,9 +44,8 @@ def test_shards_of_every_rank_make_the_unsharded_weights():
         dim = next(d for d, (a, b) in enumerate(zip(parts[0].shape, want.shape)) if a != b)
         torch.testing.assert_close(torch.cat(parts, dim), want, atol=0, rtol=0, msg=name)
         sharded += 1
-    # per layer: wq_b, wo_a, wo_b, attn_sink, MLP gate/up/down; the ratio-4 indexer's wq_b (its
-    # weights_proj is rows of the replicated x_proj)
-    assert sharded == 7 * config.num_hidden_layers + 1
+    # per layer: wq_b, wo_a, wo_b, attn_sink, MLP gate/up/down; the ratio-4 indexer's wq_b, weights_proj
+    assert sharded == 7 * config.num_hidden_layers + 2
 
 
 @pytest.mark.parametrize(

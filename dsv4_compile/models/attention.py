@@ -2,10 +2,9 @@
 
 Math per step (upstream: SGLang ``python/sglang/srt/models/deepseek_v4.py`` ``MQALayer``,
 revision 000328a8), ``T`` tokens, ``H`` heads, ``D = 512``. The projections of ``x`` that every
-rank holds (``wq_a``, ``wkv``, the indexer's ``weights_proj`` and the compressors' ``wkv_gate``)
-are rows of one weight, ``x_proj`` (:meth:`DeepseekV4Attention.x_weight` names them), read by one
-GEMM per step (:func:`~.linear.linear_split`: ``wq_a``, ``wkv`` and ``weights_proj`` rounded to
-bf16, the compressors' in float32).
+rank holds (``wq_a``, ``wkv`` and the compressors' ``wkv_gate``) are rows of one weight,
+``x_proj`` (:meth:`DeepseekV4Attention.x_weight` names them), read by one GEMM per step
+(:func:`~.linear.linear_split`: ``wq_a`` and ``wkv`` rounded to bf16, the compressors' in float32).
 
 1. ``q_lora = RMSNorm(wq_a x)``; ``q = wq_b q_lora`` ``[T, H, D]``; per-head unweighted RMSNorm,
    then RoPE on dims 448..511 at the token position.
@@ -110,13 +109,8 @@ class DeepseekV4Attention(nn.Module):
             config.index_topk if compress_ratio == 4 else cache.max_blocks(compress_ratio) if compress_ratio else 0
         )
 
-        # every projection of x, replicated across ranks and stacked: one GEMM reads them all.
-        # bf16 outputs first (the indexer's head weights for all its heads: a rank takes its own
-        # columns), then float32 ones
-        widths = {"wq_a": config.q_lora_rank, "wkv": d}
-        if self.indexer is not None:
-            widths["indexer.weights_proj"] = config.index_n_heads
-        self.x_bf16_width = sum(widths.values())
+        # every projection of x that is replicated across ranks, stacked: one GEMM reads them all
+        widths = {"wq_a": config.q_lora_rank, "wkv": d}  # bf16 outputs, then float32 ones:
         if self.compressor is not None:
             widths["compressor.wkv_gate"] = self.compressor.proj_width
         if self.indexer is not None:
@@ -150,9 +144,7 @@ class DeepseekV4Attention(nn.Module):
                 self.compressed_cache, self.eps, self.compressed_page_size, self.compressed_format,
             )
             if self.indexer is not None:
-                blocks, tokens = self.indexer(
-                    proj["indexer.weights_proj"], q_lora, proj["indexer.compressor.wkv_gate"], meta
-                )
+                blocks, tokens = self.indexer(x, q_lora, proj["indexer.compressor.wkv_gate"], meta)
                 remember.append((self.indexer.compressor, plan, tokens))
             else:  # ratio 128: every visible block
                 k = torch.arange(plan.block_slots.shape[1], device=x.device)
@@ -172,20 +164,16 @@ class DeepseekV4Attention(nn.Module):
 
     def x_weight(self, name: str) -> torch.Tensor:
         """The rows of :attr:`x_proj` that are the projection ``name`` (a key of :attr:`x_rows`:
-        ``wq_a``, ``wkv``, ``indexer.weights_proj``, ``compressor.wkv_gate``,
-        ``indexer.compressor.wkv_gate``); a view."""
+        ``wq_a``, ``wkv``, ``compressor.wkv_gate``, ``indexer.compressor.wkv_gate``); a view."""
         return self.x_proj.weight[self.x_rows[name]]
 
     def _x_parts(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """``x``'s projections by name (:attr:`x_rows`), from one GEMM (:func:`~.linear.linear_split`):
-        the rows before :attr:`x_bf16_width` (``wq_a``, ``wkv``, the indexer's head weights) in
-        ``x``'s dtype, the compressors' in float32."""
-        bf16 = self.x_bf16_width
-        projected, projected_fp32 = linear_split(x, self.x_proj.weight, bf16)
-        return {
-            name: projected[..., rows] if rows.stop <= bf16 else projected_fp32[..., rows.start - bf16 : rows.stop - bf16]
-            for name, rows in self.x_rows.items()
-        }
+        ``wq_a`` and ``wkv`` (the first two) in ``x``'s dtype, the compressors' in float32."""
+        widths = [rows.stop - rows.start for rows in self.x_rows.values()]
+        projected, projected_fp32 = linear_split(x, self.x_proj.weight, self.x_rows["wkv"].stop)
+        parts = (*projected.split(widths[:2], -1), *projected_fp32.split(widths[2:], -1))
+        return dict(zip(self.x_rows, parts))
 
     def _decode(self, q: torch.Tensor, meta: StepMetadata, blocks: torch.Tensor | None) -> torch.Tensor:
         extra = dict(extra_k_cache=None, extra_page_size=1, extra_indices=None, extra_topk_length=None,

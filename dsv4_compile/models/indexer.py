@@ -8,8 +8,7 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   ``q_lora``), interleaved RoPE on its last 64 dims at the token position (the layer's table),
   then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm (no rotation
   here: see Deviations).
-* head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5`` (``weights_proj`` is rows of the
-  layer's stacked input projection, as the key compressor's ``wkv_gate``).
+* head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5``.
 * keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block (its
   ``wkv_gate`` is rows of the layer's stacked input projection); the
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated
@@ -71,20 +70,23 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(
             config.q_lora_rank, self.heads * self.head_dim, bias=False, device=device, dtype=dtype
         )
+        self.weights_proj = nn.Linear(
+            config.hidden_size, self.heads, bias=False, device=device, dtype=dtype
+        )
         shard_(self.wq_b, weight=0)
+        shard_(self.weights_proj, weight=0)
         self.compressor = Compressor(self.head_dim, RATIO, max_requests=cache.max_requests, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
         slots = cache.num_pages * cache.compressed_page_size(RATIO)
         self.register_buffer("keys", torch.zeros(slots + 1, self.head_dim, device=device))
 
     def forward(
-        self, head_weights: torch.Tensor, q_lora: torch.Tensor, projected: torch.Tensor, meta: StepMetadata
+        self, x: torch.Tensor, q_lora: torch.Tensor, projected: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, StepTokens]:
         """Selected block ids ``[T, index_topk]`` int64 (``-1`` = none), after storing the keys of
         the blocks this step completes; and the compressor's step tokens (for ``remember``).
-        From the layer's stacked input projection: ``head_weights``, ``weights_proj(x)`` for every
-        indexer head ``[T, index_n_heads]`` (bf16; this rank takes its heads' columns), and
-        ``projected``, the key compressor's ``x @ wkv_gate^T`` (float32)."""
+        ``projected``: the step's projection for the key compressor (``x @ wkv_gate^T``, float32,
+        from the layer's stacked input projection)."""
         plan = meta.plans[RATIO]
         latent, tokens = self.compressor(projected, plan)
         key = rope_last(
@@ -95,8 +97,7 @@ class Indexer(nn.Module):
 
         q = self.wq_b(q_lora).view(-1, self.heads, self.head_dim)
         q = rope_last(q, self.freqs, meta.positions)  # [T, H_i, D_i] fp32
-        mine = slice(self.tp.rank * self.heads, (self.tp.rank + 1) * self.heads)
-        weights = head_weights[:, mine].float() * self.weight_scale  # [T, H_i]
+        weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
         # only the visible blocks' keys are read (the op; -inf where a block is not visible);
         # -inf summed over ranks stays -inf
         logits = self.tp.all_reduce(torch.ops.dsv4.indexer_logits(q, weights, self.keys, plan.block_slots))

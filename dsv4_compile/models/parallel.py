@@ -4,12 +4,10 @@ With ``N`` ranks, rank ``r`` of the attention layer holds query heads ``[r*H/N, 
 rows of ``wq_b``, their ``attn_sink`` entries and their output groups (``o_groups / N`` groups of
 ``wo_a``, and those groups' columns of ``wo_b``: row-parallel, so each rank's output is a partial
 sum that :meth:`TensorParallel.all_reduce` adds up). The ratio-4 indexer splits its heads the same
-way (rows of its ``wq_b``; its head weights ``weights_proj(x)``, 64 columns, are computed for every
-head in the replicated ``x_proj`` and a rank takes its own) and all-reduces its block logits before
-the top-k.
+way (rows of its ``wq_b`` and ``weights_proj``) and all-reduces its block logits before the top-k.
 The small MLP is column-parallel (``gate``, ``up``) then row-parallel (``down``) with one
 all-reduce. Everything with one KV head is replicated on every rank: ``x_proj`` (``wq_a``,
-``wkv``, the indexer's ``weights_proj`` and the compressors' ``wkv_gate``), the norms, the compressors, the latent caches, the
+``wkv`` and the compressors' ``wkv_gate``), the norms, the compressors, the latent caches, the
 compressed caches and the indexer's keys (MQA), and the embedding, final norm and LM head. So a rank runs the ``dsv4`` ops over
 its ``H/N`` heads, which the ops pad to what a kernel needs (FlashMLA: 64 or 128).
 
