@@ -70,6 +70,7 @@ def test_provider_choice(provider):
         "flash_mla_with_kvcache": provider,
         "flash_mla_sparse_fwd": provider,
         "get_mla_metadata": provider,
+        "get_mla_metadata_stacked": provider,
         "indexer_logits": "reference",  # FlashMLA has none; the Triton one registers separately
         "indexer_topk": "reference",
         "rope_": "reference",  # the Triton one registers separately
@@ -150,6 +151,22 @@ def test_hoisted_metadata_is_identical_and_shaped_like_the_fake(provider):
     hoisted = on_cuda("flash_mla_with_kvcache", *args)
     assert torch.equal(inside[0], hoisted[0]) and torch.equal(inside[1], hoisted[1])
     assert standin.CALLS[-1][1]["meta"] is meta  # passed through, not recomputed
+
+
+def test_stacked_metadata_is_the_op_per_entry(provider):
+    """Entry k of ``get_mla_metadata_stacked`` is ``get_mla_metadata`` for indices of its widths
+    (here the library's scheduler, the stand-in's: a decode over a dummy cache per entry); an extra
+    width of 0 is no extra cache."""
+    q = torch.randn(3, 1, 64, 512, dtype=torch.bfloat16)
+    lengths, extra = torch.tensor([5, 0, 100], dtype=torch.int32), torch.tensor([7, 512, 0], dtype=torch.int32)
+    entries = [(128, lengths, 0, None), (128, lengths, 512, extra), (100, None, 32, None), (64, lengths, 5, extra)]
+    meta, splits = on_cuda("get_mla_metadata_stacked", q, *map(list, zip(*entries)))
+    assert meta.shape == (4, standin.NUM_SMS, 8) and splits.shape == (4, 4)
+    for k, (width, topk_length, extra_width, extra_length) in enumerate(entries):
+        idx = torch.zeros(3, 1, width, dtype=torch.int32)
+        extra_idx = torch.zeros(3, 1, extra_width, dtype=torch.int32) if extra_width else None
+        want = on_cuda("get_mla_metadata", q, idx, topk_length, extra_idx, extra_length)
+        assert torch.equal(meta[k], want[0]) and torch.equal(splits[k], want[1]), k
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)])

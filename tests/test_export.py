@@ -61,7 +61,7 @@ def test_program_keeps_the_ops_and_mutates_the_state_buffers():
     model = make_model()
     program = export_step(model, "decode", max_tokens=64)
     assert dsv4_ops(program) == [
-        "dsv4::flash_mla_with_kvcache", "dsv4::fused_k_norm_rope_flashmla", "dsv4::get_mla_metadata",
+        "dsv4::flash_mla_with_kvcache", "dsv4::fused_k_norm_rope_flashmla", "dsv4::get_mla_metadata_stacked",
         "dsv4::indexer_logits", "dsv4::indexer_topk", "dsv4::rope_",
     ]
     states = {f"model.{name}" for name in model.state_buffers()}

@@ -528,7 +528,7 @@ def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
     with pytest.raises(dispatch.ProviderUnavailable, match="no cuda device"):
         ta.load(torch.device("cuda", 0))
     monkeypatch.setattr(triton_common, "device_available", lambda device: True)
-    assert set(ta.load(torch.device("cuda", 0))) == {*ta.OPS, "get_mla_metadata"}
+    assert set(ta.load(torch.device("cuda", 0))) == {*ta.OPS, "get_mla_metadata", "get_mla_metadata_stacked"}
     assert ta.load(torch.device("cuda", 0))[ta.DECODE] is ta.flash_mla_with_kvcache
 
 
