@@ -212,6 +212,45 @@ def test_compiled_decode_generates_what_eager_generates(kv_format):
     assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, margin=0.2)
 
 
+def test_decode_schedules_every_kind_at_once_from_what_its_layers_pass(monkeypatch):
+    """A decode step computes every layer kind's schedule with one ``get_mla_metadata_stacked``
+    call, planned from the widths and lengths each layer of the kind then passes for its decode (a
+    schedule for other widths or lengths would be wrong on FlashMLA)."""
+    from dsv4_compile.models import metadata
+
+    model = make_model()
+    stacked, passed = [], {}
+    real_stacked, real_scheduler = metadata.ops.get_mla_metadata_stacked, metadata.StepMetadata.scheduler
+
+    def record_stacked(*args):
+        stacked.append(args)
+        return real_stacked(*args)
+
+    def record_scheduler(self, kind, q, indices, lengths, extra_indices, extra_lengths):
+        passed.setdefault(kind, []).append((
+            indices.shape[-1], lengths, 0 if extra_indices is None else extra_indices.shape[-1], extra_lengths,
+        ))
+        return real_scheduler(self, kind, q, indices, lengths, extra_indices, extra_lengths)
+
+    monkeypatch.setattr(metadata.ops, "get_mla_metadata_stacked", record_stacked)
+    monkeypatch.setattr(metadata.StepMetadata, "scheduler", record_scheduler)
+    with torch.no_grad():
+        model(**prefill_inputs(prompts(), "cpu"), mode="prefill")
+        assert not stacked and not passed
+        model(**decode_inputs(Batch([p + [1] for p in prompts()]), "cpu"), mode="decode")
+    assert len(stacked) == 1
+    _, widths, lengths, extra_widths, extra_lengths = stacked[0]
+    assert sorted(passed) == sorted(model.extra_widths) == [0, 4, 128]
+    for k, kind in enumerate(model.extra_widths):
+        for width, layer_lengths, extra_width, layer_extra_lengths in passed[kind]:  # every layer of the kind
+            assert (widths[k], extra_widths[k]) == (width, extra_width), kind
+            assert torch.equal(lengths[k], layer_lengths), kind
+            if layer_extra_lengths is None:
+                assert extra_lengths[k] is None and kind == 0
+            else:
+                assert torch.equal(extra_lengths[k], layer_extra_lengths), kind
+
+
 def test_decode_batch_size_changes_recompile_at_most_once():
     torch._dynamo.reset()
     model = make_model()
