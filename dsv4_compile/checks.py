@@ -421,20 +421,20 @@ def check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length) 
             c.fail(name, "a list", type(value).__name__, TypeError)
         if len(value) != len(topk):
             c.fail(name, f"a list of {len(topk)} entries (as topk)", f"{len(value)} entries")
-    for k in range(len(topk)):
+    count = len(topk)
+    c.same_device(("q", *(f"{name}[{k}]" for name in ("topk_length", "extra_topk_length") for k in range(count))),
+                  q, *topk_length, *extra_topk_length)
+    for k in range(count):
         for name in ("topk", "extra_topk"):
             width = lists[name][k]
             if type(width) is not int or not 0 <= width <= MAX_INDEX_WIDTH:
                 c.fail(f"{name}[{k}]", f"an int in [0, {MAX_INDEX_WIDTH}] (an index width)", width)
         for name in ("topk_length", "extra_topk_length"):
-            lengths = lists[name][k]
-            if lengths is not None:
-                c.tensor(f"{name}[{k}]", lengths, _I32, (batch,))
-                if lengths.device != q.device:
-                    c.fail(f"{name}[{k}]", f"on {q.device} like q", lengths.device)
+            if lists[name][k] is not None:
+                c.tensor(f"{name}[{k}]", lists[name][k], _I32, (batch,))
         if extra_topk[k] == 0 and extra_topk_length[k] is not None:
             c.fail(f"extra_topk_length[{k}]", f"None when extra_topk[{k}] is 0 (no extra cache)", extra_topk_length[k])
-    return batch, s_q, heads, len(topk)
+    return batch, s_q, heads, count
 
 
 def check_metadata_stacked_data(q, topk, topk_length, extra_topk, extra_topk_length) -> None:

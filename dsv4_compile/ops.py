@@ -83,26 +83,17 @@ def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tens
     return out, max_logits, torch.empty_like(max_logits)
 
 
-def metadata_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def metadata_outputs(q: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ``(tile_scheduler_metadata, num_splits)`` int32 of the shapes ``get_mla_metadata``
     returns on ``q.device``, whichever provider serves it (``dispatch.metadata_shapes``: FlashMLA's
-    scheduler geometry on CUDA, ``(0,)`` each elsewhere)."""
+    scheduler geometry on CUDA, ``(0,)`` each elsewhere); ``count``: that many stacked
+    (``get_mla_metadata_stacked``'s ``[count, ...]``)."""
     batch, s_q, heads = q.shape[:3]
+    stack = () if count is None else (count,)
     meta_shape, splits_shape = dispatch.metadata_shapes(q.device, batch, s_q, heads)
     return (
-        q.new_empty(meta_shape, dtype=torch.int32),
-        q.new_empty(splits_shape, dtype=torch.int32),
-    )
-
-
-def stacked_metadata_outputs(q: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``count`` stacked :func:`metadata_outputs`: ``[count, *meta_shape]`` and
-    ``[count, *splits_shape]`` int32."""
-    batch, s_q, heads = q.shape[:3]
-    meta_shape, splits_shape = dispatch.metadata_shapes(q.device, batch, s_q, heads)
-    return (
-        q.new_empty(count, *meta_shape, dtype=torch.int32),
-        q.new_empty(count, *splits_shape, dtype=torch.int32),
+        q.new_empty(*stack, *meta_shape, dtype=torch.int32),
+        q.new_empty(*stack, *splits_shape, dtype=torch.int32),
     )
 
 
@@ -160,7 +151,7 @@ def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
 @torch.library.register_fake(f"{NAMESPACE}::get_mla_metadata_stacked", lib=_lib)
 def _metadata_stacked_fake(q, topk, topk_length, extra_topk, extra_topk_length):
     count = checks.check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length)[3]
-    return stacked_metadata_outputs(q, count)
+    return metadata_outputs(q, count)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::indexer_logits", lib=_lib)

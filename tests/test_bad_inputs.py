@@ -142,6 +142,8 @@ def test_metadata_rejects_mismatched_indices():
         (dict(extra_topk=[0, -1]), r"extra_topk\[1\]", r"an int in \[0, 1048576\] \(an index width\), got -1"),
         (dict(topk_length=[None, torch.zeros(3, dtype=torch.int32)]), r"topk_length\[1\]", r"int32 \[2\], got int32 \[3\]"),
         (dict(extra_topk=[0, 0]), r"extra_topk_length\[1\]", r"None when extra_topk\[1\] is 0"),
+        (dict(topk_length=[torch.zeros(2, dtype=torch.int32, device="meta"), None]), r"topk_length\[0\]",
+         r"on cpu like q, extra_topk_length\[1\], got meta"),
     ],
 )
 def test_stacked_metadata_names_the_entry(over, arg, expected):

@@ -63,11 +63,16 @@ def _pad_width(indices: torch.Tensor, width: int, multiple: int) -> torch.Tensor
     return F.pad(indices, (0, _round_up(width, multiple) - width), value=-1)
 
 
+def _padded_widths(width: int, extra_width: int | None) -> tuple[int, int]:
+    """The index widths the decode runs with: padded to multiples of 64 (a width of 0 to one
+    block); the extra one 0 without an extra cache (``None``). Its scheduler counts in them."""
+    extra = 0 if extra_width is None else _round_up(extra_width, DECODE_TOPK_MULTIPLE)
+    return _round_up(width, DECODE_TOPK_MULTIPLE), extra
+
+
 def _decode_widths(indices: torch.Tensor, extra_indices: torch.Tensor | None) -> tuple[int, int]:
-    """The index widths the decode runs with: padded to multiples of 64 (the extra one 0 without
-    extra indices); its scheduler counts in them."""
-    extra = 0 if extra_indices is None else _round_up(extra_indices.shape[-1], DECODE_TOPK_MULTIPLE)
-    return _round_up(indices.shape[-1], DECODE_TOPK_MULTIPLE), extra
+    """:func:`_padded_widths` of a decode's indices and extra indices (``None``: none)."""
+    return _padded_widths(indices.shape[-1], None if extra_indices is None else extra_indices.shape[-1])
 
 
 def _head_groups(heads: int):
@@ -130,7 +135,7 @@ class FlashMLAKernels:
             return (q.new_zeros(meta_shape, dtype=torch.int32), q.new_zeros(splits_shape, dtype=torch.int32))
         width, extra_width = _decode_widths(indices, extra_indices)
         if not self.own_schedule:
-            return self._library_schedule(q, topk_length, extra_topk_length, width, None if extra_indices is None else extra_width)
+            return self._library_schedule(q, topk_length, extra_topk_length, width, extra_width)
         return flashmla_schedule.schedule(
             topk_length, extra_topk_length, width, extra_width, meta_shape, batch, q.device)
 
@@ -140,12 +145,10 @@ class FlashMLAKernels:
         batch, s_q, heads = q.shape[:3]
         meta_shape, _ = metadata_shapes(q.device, batch, s_q, heads)
         if batch == 0 or s_q == 0 or not topk:  # FlashMLA refuses empty launches; the decode will not launch
-            return tuple(t.zero_() for t in ops.stacked_metadata_outputs(q, len(topk)))
-        # the decode's padded widths (_decode_widths), 0 without an extra cache
-        widths = [(_round_up(w, DECODE_TOPK_MULTIPLE), _round_up(e, DECODE_TOPK_MULTIPLE) if e else 0)
-                  for w, e in zip(topk, extra_topk)]
+            return tuple(t.zero_() for t in ops.metadata_outputs(q, len(topk)))
+        widths = [_padded_widths(w, e or None) for w, e in zip(topk, extra_topk)]  # extra width 0: none
         if not self.own_schedule:
-            found = [self._library_schedule(q, lengths, extra_lengths, width, extra_width or None)
+            found = [self._library_schedule(q, lengths, extra_lengths, width, extra_width)
                      for (width, extra_width), lengths, extra_lengths in zip(widths, topk_length, extra_topk_length)]
             return torch.stack([m for m, _ in found]), torch.stack([n for _, n in found])
         problems = [(lengths, extra_lengths, width, extra_width)
@@ -157,11 +160,10 @@ class FlashMLAKernels:
         for the sparse-decode scheduler, so run its decode once with every index a hole over a
         one-page dummy cache: it schedules from ``topk_length`` / ``extra_topk_length`` and the
         widths only, reads no key, and returns the fresh metadata."""
-        width, extra_width = _decode_widths(indices, extra_indices)
-        return self._library_schedule(q, topk_length, extra_topk_length, width, None if extra_indices is None else extra_width)
+        return self._library_schedule(q, topk_length, extra_topk_length, *_decode_widths(indices, extra_indices))
 
-    def _library_schedule(self, q, topk_length, extra_topk_length, width: int, extra_width: int | None):
-        """:meth:`library_schedule` for padded widths; ``extra_width`` ``None``: no extra cache."""
+    def _library_schedule(self, q, topk_length, extra_topk_length, width: int, extra_width: int):
+        """:meth:`library_schedule` for :func:`_padded_widths` (``extra_width`` 0: no extra cache)."""
         batch, s_q, heads = q.shape[:3]
         padded = padded_heads(heads)
         qp = _pad_heads(q, 2, 0, min(heads, padded), padded)
@@ -170,7 +172,7 @@ class FlashMLAKernels:
         dummy = layout.flashmla_view(layout.alloc_cache(1, _DUMMY_PAGE, q.device), _DUMMY_PAGE)
         holes = torch.full((batch, s_q, width), -1, dtype=torch.int32, device=q.device)
         extra_kv = extra_holes = None
-        if extra_width is not None:
+        if extra_width:
             extra_kv = dummy
             extra_holes = torch.full((batch, s_q, extra_width), -1, dtype=torch.int32, device=q.device)
         _, _, meta, splits = self._raw_decode(

@@ -299,7 +299,7 @@ def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
 
 def get_mla_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length):
     """:func:`get_mla_metadata`'s zeros, ``len(topk)`` of them stacked."""
-    meta, splits = ops.stacked_metadata_outputs(q, len(topk))
+    meta, splits = ops.metadata_outputs(q, len(topk))
     return meta.zero_(), splits.zero_()
 
 

@@ -801,7 +801,6 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 KERNELS = {DECODE: flash_mla_with_kvcache, PREFILL: flash_mla_sparse_fwd}
 NAME = "triton"
-METADATA, METADATA_STACKED = "get_mla_metadata", "get_mla_metadata_stacked"
 
 
 def load(device: torch.device) -> dict:
@@ -809,14 +808,14 @@ def load(device: torch.device) -> dict:
     :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
     backend for the device type, no such device)."""
     triton_common.require_device(_triton(), _decode_kernel, device, "attention")
-    # the decode ignores metadata
-    return {**KERNELS, METADATA: reference.get_mla_metadata, METADATA_STACKED: reference.get_mla_metadata_stacked}
+    # the decode ignores metadata: the reference's zeros
+    return {**KERNELS, **{op: reference.KERNELS[op] for op in dispatch.METADATA_OPS}}
 
 
 def register() -> None:
     """Register the attention's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent)."""
     for device_type in triton_common.DEVICE_TYPES:
-        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(*OPS, METADATA, METADATA_STACKED), fallback=True))
+        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(*OPS, *dispatch.METADATA_OPS), fallback=True))
 
 
 register()

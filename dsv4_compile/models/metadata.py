@@ -138,25 +138,26 @@ class StepMetadata:
         computes every kind's schedule in one ``get_mla_metadata_stacked`` (one launch where
         FlashMLA's SM90 schedule is ours), for the window indices and lengths and, per kind, extra
         indices of its width counting :meth:`CompressPlan.visible` blocks: what the layers pass."""
-        if kind not in self.schedulers:
-            widths = self.extra_widths
-            if widths is None or kind not in widths:
-                self.schedulers[kind] = ops.get_mla_metadata(q, indices, lengths, extra_indices, extra_lengths)
-                return self.schedulers[kind]
-            width = 0 if extra_indices is None else extra_indices.shape[-1]
-            if width != widths[kind] or indices.shape[-1] != self.window_indices.shape[-1]:
-                raise ValueError(
-                    f"the decode of layer kind {kind} has indices {indices.shape[-1]} and extra indices {width} "
-                    f"wide; the step's schedules were planned for {self.window_indices.shape[-1]} and "
-                    f"{widths[kind]} (StepMetadata.extra_widths)"
-                )
-            kinds = list(widths)
-            meta, splits = ops.get_mla_metadata_stacked(
-                q, [self.window_indices.shape[-1]] * len(kinds), [self.window_lengths] * len(kinds),
-                [widths[k] for k in kinds],
-                [self.plans[k].visible(widths[k]) if widths[k] else None for k in kinds],
+        if kind in self.schedulers:
+            return self.schedulers[kind]
+        widths = self.extra_widths
+        if widths is None or kind not in widths:
+            self.schedulers[kind] = ops.get_mla_metadata(q, indices, lengths, extra_indices, extra_lengths)
+            return self.schedulers[kind]
+        width = 0 if extra_indices is None else extra_indices.shape[-1]
+        if width != widths[kind] or indices.shape[-1] != self.window_indices.shape[-1]:
+            raise ValueError(
+                f"the decode of layer kind {kind} has indices {indices.shape[-1]} and extra indices {width} "
+                f"wide; the step's schedules were planned for {self.window_indices.shape[-1]} and "
+                f"{widths[kind]} (StepMetadata.extra_widths)"
             )
-            self.schedulers.update({k: (meta[i], splits[i]) for i, k in enumerate(kinds)})
+        kinds = list(widths)
+        meta, splits = ops.get_mla_metadata_stacked(
+            q, [self.window_indices.shape[-1]] * len(kinds), [self.window_lengths] * len(kinds),
+            [widths[k] for k in kinds],
+            [self.plans[k].visible(widths[k]) if widths[k] else None for k in kinds],
+        )
+        self.schedulers.update({k: (meta[i], splits[i]) for i, k in enumerate(kinds)})
         return self.schedulers[kind]
 
 
