@@ -153,11 +153,13 @@ class DeepseekV4Attention(nn.Module):
         attend = self._decode if meta.mode == "decode" else self._prefill
         out = attend(q, meta, blocks)  # [T, H, D] bf16
         ops.rope_(out, self.freqs, positions, inverse=True)  # in place: only the 64 rotated dims move
-        # group g's heads through its block of wo_a: one batched GEMM over [G, T, H*D/G] views
-        grouped = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).transpose(0, 1)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1).transpose(1, 2)
-        low = torch.bmm(grouped, wo_a).transpose(0, 1).flatten(1)  # [T, G * o_lora_rank]
-        out = self.tp.all_reduce(self.wo_b(low))
+        # group g's heads through its block of wo_a: one batched GEMM that writes the low-rank
+        # activations transposed, [G, o_lora_rank, T] = [G * o_lora_rank, T] contiguous, so that
+        # wo_b reads them as a column-major [T, G * o_lora_rank] operand: no copy between the GEMMs
+        heads_t = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).permute(1, 2, 0)
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H*D/G]
+        low_t = torch.bmm(wo_a, heads_t).flatten(0, 1)  # [G * o_lora_rank, T]
+        out = self.tp.all_reduce(self.wo_b(low_t.t()))
         for compressor, plan, tokens in remember:
             compressor.remember(plan, tokens)
         return out
