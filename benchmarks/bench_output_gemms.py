@@ -8,8 +8,8 @@ give the same bits (printed: the largest difference).
 Shapes of the benchmarked slice: ``G = 8`` groups, ``r = 1024``, ``H * D / G = 4096``, ``wo_b``
 8192 -> 4096; ``T`` = 1, 8, 64 rows. A small in-place kernel on the attention output runs before
 the GEMMs each call, as in the step (the ``rope_`` before ``wo_a``). Each call reads another of 4
-weight copies (537 MB), so L2 holds none of it; times are CUDA-graph replays of 8 calls, median of
-12 runs in the order old, new, new, old.
+weight copies (537 MB), so L2 holds none of it; times are CUDA-graph replays of 8 calls, the
+median of 6 runs per layout (3 rounds in the order copied, transposed, transposed, copied).
 
 Usage (on a CUDA machine): ``cd benchmarks && PYTHONPATH=..:. python bench_output_gemms.py`` (~1 minute)
 """
