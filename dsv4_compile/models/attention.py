@@ -41,10 +41,16 @@ from .compressor import Compressor
 from .config import CacheConfig, DeepseekV4Config
 from .indexer import Indexer
 from .linear import linear_split
-from .metadata import StepMetadata
+from .metadata import StepMetadata, counts_are_apart
 from .norm import RMSNorm, rms_norm
 from .parallel import SINGLE, TensorParallel, shard_
 from .rope import layer_rope_table, rope_last
+
+
+#: the oldest torch whose ``torch.export`` traces the transposed output of ``wo_a``'s GEMM with a
+#: dynamic token count (:meth:`DeepseekV4Attention._grouped_low_rank`)
+TRANSPOSED_EXPORT_TORCH = "2.13"
+_TRANSPOSED_EXPORT = torch.torch_version.TorchVersion(torch.__version__) >= TRANSPOSED_EXPORT_TORCH
 
 
 class DeepseekV4Attention(nn.Module):
@@ -153,16 +159,28 @@ class DeepseekV4Attention(nn.Module):
         attend = self._decode if meta.mode == "decode" else self._prefill
         out = attend(q, meta, blocks)  # [T, H, D] bf16
         ops.rope_(out, self.freqs, positions, inverse=True)  # in place: only the 64 rotated dims move
-        # group g's heads through its block of wo_a: one batched GEMM that writes the low-rank
-        # activations transposed, [G, o_lora_rank, T] = [G * o_lora_rank, T] contiguous, so that
-        # wo_b reads them as a column-major [T, G * o_lora_rank] operand: no copy between the GEMMs
-        heads_t = out.view(-1, self.groups, self.heads * layout.HEAD_DIM // self.groups).permute(1, 2, 0)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H*D/G]
-        low_t = torch.bmm(wo_a, heads_t).flatten(0, 1)  # [G * o_lora_rank, T]
-        out = self.tp.all_reduce(self.wo_b(low_t.t()))
+        out = self.tp.all_reduce(self.wo_b(self._grouped_low_rank(out)))
         for compressor, plan, tokens in remember:
             compressor.remember(plan, tokens)
         return out
+
+    def _grouped_low_rank(self, out: torch.Tensor) -> torch.Tensor:
+        """``out [T, H, D]`` through ``wo_a``, group ``g`` taking its heads' block: ``[T, G * o_lora_rank]``.
+
+        One batched GEMM of ``wo_a``'s ``[G, o_lora_rank, H*D/G]`` blocks with ``[G, H*D/G, T]``
+        views of ``out``, which writes ``[G * o_lora_rank, T]`` contiguous: its transpose is a
+        column-major operand ``wo_b``'s GEMM reads as it is, so no copy runs between the two GEMMs
+        (a ``[G, T, o_lora_rank]`` output needed one: benchmarks/RESULTS.md, fifteenth run).
+        Traced for ``torch.export`` (:func:`~.metadata.counts_apart`) on torch before
+        :data:`TRANSPOSED_EXPORT_TORCH`: that output and its copy, because there ``torch.export``
+        fails on a guard of the transposed output's strides (``min(T, 64 T) == T``) that it cannot
+        prove for a dynamic token count ``T`` (seen on torch 2.10 and 2.11)."""
+        width = self.heads * layout.HEAD_DIM // self.groups
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, width)
+        grouped = out.view(-1, self.groups, width)  # [T, G, H*D/G]
+        if counts_are_apart() and not _TRANSPOSED_EXPORT:
+            return torch.bmm(grouped.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1).flatten(1)
+        return torch.bmm(wo_a, grouped.permute(1, 2, 0)).flatten(0, 1).t()
 
     def x_weight(self, name: str) -> torch.Tensor:
         """The rows of :attr:`x_proj` that are the projection ``name`` (a key of :attr:`x_rows`:

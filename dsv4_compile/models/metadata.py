@@ -52,6 +52,11 @@ def counts_apart():
         _counts_apart = before
 
 
+def counts_are_apart() -> bool:
+    """Whether a step is traced within :func:`counts_apart` (for ``torch.export``)."""
+    return _counts_apart
+
+
 def overlaps(ratio: int) -> bool:
     """Ratio-4 compression pools overlapping windows of two blocks (upstream: ``overlap``)."""
     return ratio == 4
