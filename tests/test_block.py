@@ -217,10 +217,51 @@ def test_inductor_calls_ops_without_cache_copy_and_equals_eager(ratio, step):
         assert f"torch.ops.dsv4.{op}.default" in code, op
     assert code.count("torch.ops.dsv4.fused_k_norm_rope_flashmla.default") == 2  # window + compressed
     assert_no_cache_copy(code, compiled)
+    assert_output_gemms_without_copy(code)
     # Inductor reorders float32 reductions (norms, softmax): a bf16 ulp on the output, an fp8 step
     # on a rare cache byte
     torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)
     assert_same_state(compiled, eager, exact=False)
+
+
+def assert_output_gemms_without_copy(code: str) -> None:
+    """In Inductor's code, ``wo_b``'s GEMM reads ``wo_a``'s batched-GEMM output as it is, a
+    column-major ``[T, G * o_lora_rank]`` operand, and no kernel runs between the two GEMMs."""
+    lines = code.splitlines()
+    start = next(i for i, line in enumerate(lines) if "extern_kernels.bmm(" in line)
+    low = re.search(r"out=(buf\d+)\)", lines[start]).group(1)
+    for line in lines[start + 1:]:
+        if "extern_kernels.mm(" in line:
+            assert re.search(rf"reinterpret_tensor\({low}, \((\w+), \w+\), \(1, \1\), 0\)", line), line
+            return
+        assert re.match(r"\s*(#|del |assert_size_stride\(|buf\d+ = empty_strided)", line), f"between the GEMMs: {line}"
+    raise AssertionError("no GEMM after wo_a's batched GEMM")
+
+
+@pytest.mark.parametrize("exporting_before_2_13", [False, True])
+def test_output_projection_layouts_equal_the_grouped_formula(monkeypatch, exporting_before_2_13):
+    """``wo_a``'s grouped low-rank projection: head group ``g`` through its block of ``wo_a``.
+    Outside export (and when exporting on torch >= 2.13) the result is the transpose of a
+    contiguous ``[G * o_lora_rank, T]``, which ``wo_b`` reads without a copy; exported on older
+    torch, a row-major ``[T, G * o_lora_rank]`` (docs/design.md §5). Both equal the float64
+    formula within the bf16 rounding of the output."""
+    from dsv4_compile.models import attention, metadata
+
+    layer = make_layer(0)
+    tokens, groups, rank = 7, layer.groups, layer.o_lora_rank
+    out = torch.randn(tokens, layer.heads, layout.HEAD_DIM, dtype=torch.bfloat16)
+    blocks = layer.wo_a.weight.view(groups, rank, -1).double()
+    want = torch.einsum("tgk,grk->tgr", out.view(tokens, groups, -1).double(), blocks).reshape(tokens, -1)
+    if exporting_before_2_13:
+        monkeypatch.setattr(attention, "_TRANSPOSED_EXPORT", False)
+        with metadata.counts_apart():
+            got = layer._grouped_low_rank(out)
+        assert got.is_contiguous()
+    else:
+        got = layer._grouped_low_rank(out)
+        assert got.t().is_contiguous()
+    assert got.shape == (tokens, groups * rank)
+    torch.testing.assert_close(got.double(), want, atol=2**-8 * want.abs().max().item(), rtol=2**-7)
 
 
 # --------------------------------------------------------------------------------------------
