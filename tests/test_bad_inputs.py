@@ -130,7 +130,8 @@ def test_error_message_shows_expected_and_actual():
 
 
 def test_metadata_rejects_mismatched_indices():
-    with pytest.raises(ValueError, match="indices"):
+    message = r"^dsv4\.get_mla_metadata: indices must be int32 \[2, 1, \*\], got int32 \[3, 1, 4\]"
+    with pytest.raises(ValueError, match=message):
         META(torch.randn(2, 1, 8, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 4, dtype=torch.int32), None, None, None)
 
 

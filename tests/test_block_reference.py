@@ -196,11 +196,14 @@ def run_layer(ratio, step):
 
 def assert_holds_keys(cache, page, pt, req, want, where) -> None:
     """Entries ``0 .. len(want)-1`` of request ``req`` in ``cache`` hold the keys ``want``: one
-    fp8 step on dims 0..447, bf16 on the RoPE dims."""
+    fp8 step on dims 0..447; on the bf16 RoPE dims 2^-6 relative (the layer's bf16 roundings
+    before and after the rotation reach ~2^-7.8 here)."""
     slots = torch.tensor([slot(pt, req, j, page) for j in range(len(want))], dtype=torch.long)
     got = layout.gather_dequant(cache, page, slots, F64)
-    amax = want[:, :448].abs().amax(-1, keepdim=True)
-    assert ((got - want).abs() <= 2**-4 * want.abs() + 2**-8 * amax + 1e-3).all(), where
+    fp8, rope = slice(0, 448), slice(448, None)
+    amax = want[:, fp8].abs().amax(-1, keepdim=True)
+    assert ((got - want)[:, fp8].abs() <= 2**-4 * want[:, fp8].abs() + 2**-8 * amax + 1e-3).all(), where
+    assert ((got - want)[:, rope].abs() <= 2**-6 * want[:, rope].abs() + 1e-4).all(), where
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))

@@ -180,7 +180,8 @@ NAN_TOKEN = [0x7F] * 448 + [0xC0, 0x7F] * 64, [0xFF] * 7 + [0]  # docs/design.md
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "weight-inf", "overflow"])
 def test_non_finite_tokens_are_stored_as_nan_tokens(bad):
     """A token whose normed, rotated values are not all finite is the NaN token (fp8 0x7F, bf16
-    NaN, UE8M0 0xFF); the other tokens of the call are stored as usual."""
+    NaN, UE8M0 0xFF); the other tokens of the call are stored as usual: their scales are the
+    float64 model's, and their bytes those of the same call with the bad tokens skipped."""
     kv, w, freqs, pos = store_inputs(3, torch.float32)
     if bad == "weight-inf":
         w[5] = math.inf
@@ -193,8 +194,11 @@ def test_non_finite_tokens_are_stored_as_nan_tokens(bad):
             kv[1, 7] = 1.0
             w[7] = 3e38
         rows = [1]
-    cache = d4.alloc_cache(2, 4)
+    cache, clean = d4.alloc_cache(2, 4), d4.alloc_cache(2, 4)
     call(STORE, kv, w, freqs, pos, torch.tensor([2, 5, 6]), cache, 1e-6, 4)
+    # the same call with the bad tokens skipped: what the others' bytes must be
+    skipped = torch.tensor([-1 if t in rows else slot for t, slot in enumerate([2, 5, 6])])
+    call(STORE, kv, w, freqs, pos, skipped, clean, 1e-6, 4)
     for t, slot in enumerate([2, 5, 6]):
         page, off = divmod(slot, 4)
         data = cache[page, off * 576 : off * 576 + 576].tolist()
@@ -206,3 +210,5 @@ def test_non_finite_tokens_are_stored_as_nan_tokens(bad):
             want_data, want_scales, _ = store_token(
                 kv[t].double().tolist(), w.double().tolist(), freqs[pos[t]].double().tolist(), 1e-6)
             assert scales == want_scales and data != NAN_TOKEN[0]
+            assert data == clean[page, off * 576 : off * 576 + 576].tolist()
+            assert scales == clean[page, 4 * 576 + off * 8 : 4 * 576 + off * 8 + 8].tolist()

@@ -107,7 +107,8 @@ def check_against_unsharded(reports: list[dict], tmp_path: Path, device: str) ->
         with torch.no_grad():
             tokens = generate(model, model, prompts, STEPS, device, follow=dumped["tokens"],
                               on_step=lambda s, l: logits.append(l))
-        for got, want in zip(dumped["logits"], logits):
+        assert len(logits) == STEPS + 1, len(logits)  # the prefill and every decode step
+        for got, want in zip(dumped["logits"], logits, strict=True):
             torch.testing.assert_close(got, want.cpu(), atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
         assert_same_choices_but_near_ties(logits, tokens, dumped["tokens"], margin=2 * LOGIT_ATOL)
 
