@@ -200,10 +200,10 @@ def assert_holds_keys(cache, page, pt, req, want, where) -> None:
     before and after the rotation reach ~2^-7.8 here)."""
     slots = torch.tensor([slot(pt, req, j, page) for j in range(len(want))], dtype=torch.long)
     got = layout.gather_dequant(cache, page, slots, F64)
-    fp8, rope = slice(0, 448), slice(448, None)
+    err, fp8, rope = (got - want).abs(), slice(0, 448), slice(448, None)
     amax = want[:, fp8].abs().amax(-1, keepdim=True)
-    assert ((got - want)[:, fp8].abs() <= 2**-4 * want[:, fp8].abs() + 2**-8 * amax + 1e-3).all(), where
-    assert ((got - want)[:, rope].abs() <= 2**-6 * want[:, rope].abs() + 1e-4).all(), where
+    assert (err[:, fp8] <= 2**-4 * want[:, fp8].abs() + 2**-8 * amax + 1e-3).all(), where
+    assert (err[:, rope] <= 2**-6 * want[:, rope].abs() + 1e-4).all(), where
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))

@@ -23,6 +23,13 @@ def expected_writes(page_size, stride, slot, data, scales):
     return writes
 
 
+def token_bytes(cache, page_size, slot):
+    """``(data, scales)`` of the token at ``slot``, as lists of bytes (docs/design.md §2.2)."""
+    page, off = divmod(slot, page_size)
+    row, scales = cache[page], page_size * 576 + off * 8
+    return row[off * 576 : off * 576 + 576].tolist(), row[scales : scales + 8].tolist()
+
+
 def test_exact_bytes_on_representable_inputs():
     """x = 1 (so the norm is exactly 1, eps = 0) makes y = w exactly: every byte is predictable,
     including fp8 round-to-nearest-even ties and saturation-free exact tile maxima."""
@@ -68,10 +75,7 @@ def test_random_values_match_float64(dtype, magnitude):
     fp8_mismatch = 0
     for t, slot in enumerate(slots.tolist()):
         data, scales, y = store_token(kv[t].double().tolist(), w.double().tolist(), freqs[pos[t]].double().tolist(), 1e-6)
-        page, off = divmod(slot, page_size)
-        row = cache[page]
-        got_data = row[off * 576 : off * 576 + 576].tolist()
-        got_scales = row[page_size * 576 + off * 8 : page_size * 576 + off * 8 + 8].tolist()
+        got_data, got_scales = token_bytes(cache, page_size, slot)
         assert got_scales == scales  # exponents and the zero pad byte
         for i in range(448):
             if got_data[i] != data[i]:  # only where the fp32 value sits on a rounding tie
@@ -200,15 +204,12 @@ def test_non_finite_tokens_are_stored_as_nan_tokens(bad):
     skipped = torch.tensor([-1 if t in rows else slot for t, slot in enumerate([2, 5, 6])])
     call(STORE, kv, w, freqs, pos, skipped, clean, 1e-6, 4)
     for t, slot in enumerate([2, 5, 6]):
-        page, off = divmod(slot, 4)
-        data = cache[page, off * 576 : off * 576 + 576].tolist()
-        scales = cache[page, 4 * 576 + off * 8 : 4 * 576 + off * 8 + 8].tolist()
+        data, scales = token_bytes(cache, 4, slot)
         if t in rows:
             assert (data, scales) == NAN_TOKEN
             assert d4.gather_dequant(cache, 4, torch.tensor([slot])).isnan().all()
         else:
-            want_data, want_scales, _ = store_token(
+            _, want_scales, _ = store_token(
                 kv[t].double().tolist(), w.double().tolist(), freqs[pos[t]].double().tolist(), 1e-6)
             assert scales == want_scales and data != NAN_TOKEN[0]
-            assert data == clean[page, off * 576 : off * 576 + 576].tolist()
-            assert scales == clean[page, 4 * 576 + off * 8 : 4 * 576 + off * 8 + 8].tolist()
+            assert (data, scales) == token_bytes(clean, 4, slot)
