@@ -29,6 +29,7 @@ from dsv4_compile.models import (
 )
 from dsv4_compile.models.metadata import source_window
 from dsv4_compile.models.model import init_random_
+from helpers import bf16_ulp
 
 CFG = tiny_config(sliding_window=16, index_topk=8)
 CACHE = CacheConfig(max_requests=4, max_seq_len=512, page_size=256)
@@ -218,9 +219,9 @@ def test_inductor_calls_ops_without_cache_copy_and_equals_eager(ratio, step):
     assert code.count("torch.ops.dsv4.fused_k_norm_rope_flashmla.default") == 2  # window + compressed
     assert_no_cache_copy(code, compiled)
     assert_output_gemms_without_copy(code)
-    # Inductor reorders float32 reductions (norms, softmax): a bf16 ulp on the output, an fp8 step
-    # on a rare cache byte
-    torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)
+    # Inductor reorders float32 reductions (norms, softmax): under a bf16 ulp of the output's
+    # largest magnitude (measured: 0.38), an fp8 step on a rare cache byte
+    torch.testing.assert_close(got, want, atol=2 * bf16_ulp(want.abs().max().item()), rtol=0)
     assert_same_state(compiled, eager, exact=False)
 
 
@@ -308,6 +309,21 @@ def test_cuda_compiled_equals_eager(ratio, step):
     untied = untied_rows(prompted_layer(ratio, "cuda"), second_args(step, "cuda"))
     assert untied.float().mean() > 0.75, "the comparison must cover most rows"
     torch.testing.assert_close(got.cpu()[untied], want.cpu()[untied], atol=2**-6, rtol=2**-6)
+    assert_same_state(compiled, eager, exact=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_cuda_compiled_with_eager_roundings_equals_eager(ratio, step):
+    """With Inductor rounding where eager code rounds (``emulate_precision_casts``), the compiled
+    layer's output is eager's within two bf16 ulps of its largest magnitude on the rows whose
+    selection does not hang on rounding, where the test above allows 2^-6 for the skipped
+    roundings (measured on the H200: benchmarks/RESULTS.md)."""
+    compiled, got, eager, want = compiled_and_eager(ratio, step, "cuda", options={"emulate_precision_casts": True})
+    untied = untied_rows(prompted_layer(ratio, "cuda"), second_args(step, "cuda"))
+    got, want = got.cpu()[untied], want.cpu()[untied]
+    torch.testing.assert_close(got, want, atol=2 * bf16_ulp(want.abs().max().item()), rtol=0)
     assert_same_state(compiled, eager, exact=False)
 
 
