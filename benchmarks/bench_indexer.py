@@ -22,6 +22,9 @@ rows of 32768 columns; ``--wide``: 1 to 8192 rows of 8192 to 32768 columns and 1
 1, 2, 4, 8 and 16 warps, the looped one (1024 / 2048 / 4096 columns at a time, 4 / 8 warps) on the
 rows of 2048 columns or more, and the one by pieces (2048 / 4096 columns) on rows past 8192.
 
+``--programs``: the logits cases only, at several programs per row (the kernel's grid: a row's
+column blocks shared among them; :func:`triton_indexer.programs_per_row` is the rule).
+
 Times are CUDA-graph replays of 10 calls (2 for the prefill case, whose calls take milliseconds),
 median of 7 runs of 50 replays (``common.graph_timed``). ``--sweep`` takes ~3 minutes on the H200.
 
@@ -98,6 +101,30 @@ def logits_case(name, inputs, ours, compiled, rate, sweep, per_graph, results) -
     if sweep:
         best = sorted(row["sweep"].items(), key=lambda kv: kv[1])[:5]
         print("   fastest geometries:", ", ".join(f"{k} {v:.1f}" for k, v in best))
+
+
+def programs_sweep(path: str | None) -> None:
+    """The logits cases at 1, 2, 4, ... programs per row, at the rule's
+    (:func:`triton_indexer.programs_per_row`) and at one program per column block (the grid
+    before the rule); every launch's logits bit for bit the rule's."""
+    results = {"torch": torch.__version__, "cases": {}}
+    for name in ("decode-b1", "decode-b64", "prefill"):
+        inputs = case(name)
+        per_graph = 2 if name == "prefill" else 10
+        want = d4.indexer_logits(*inputs)
+        blocks = -(-WIDTH // triton_indexer.geometry(DIM, HEADS)[0])
+        rule = triton_indexer.programs_per_row(want.device, want.shape[0], blocks)
+        row = results["cases"][name] = {"rule": rule, "blocks": blocks, "us": {}}
+        for programs in sorted({1, 2, 4, 8, 16, 33, rule, blocks} & set(range(1, blocks + 1))):
+            out = torch.full_like(want, 7.0)
+            launch = lambda: triton_indexer.launch(*inputs, out, programs=programs)  # noqa: E731
+            us = row["us"][programs] = graph_timed(launch, per_graph)
+            assert torch.equal(out, want), (name, programs)
+            mark = " (rule)" if programs == rule else " (a program per block)" if programs == blocks else ""
+            print(f"{name}: {programs:3d} programs per row{mark}: {us:8.1f} us", flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def topk_case(name: str, logits: torch.Tensor, sweep: bool, per_graph: int, results: dict, wide: bool = False) -> None:
@@ -188,8 +215,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every launch geometry")
     parser.add_argument("--topk-only", action="store_true", help="time only the top-k cases")
     parser.add_argument("--wide", action="store_true", help="time only the top-k of wide rows, by every program")
+    parser.add_argument("--programs", action="store_true",
+                        help="time only the logits cases, by programs per row (the rule's and others)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.programs:
+        programs_sweep(args.json)
+        return
     rate = copy_rate(torch.device("cuda"))
     compiled = torch.compile(gather_bmm, dynamic=False)
     results = {"copy_tb_s": rate / 1e12, "torch": torch.__version__, "cases": {}}

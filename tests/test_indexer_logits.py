@@ -216,6 +216,39 @@ def test_triton_nan_stays_nan(device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_programs_per_row_change_no_bit(device):
+    """However many programs share a row's column blocks (one takes all five; two take three and
+    two; five take one each), every logit has the same bits, within the float32 bound."""
+    from dsv4_compile.kernels import triton_common, triton_indexer
+
+    args = make_case(3, 5, 32, 300, 400, device=device)  # 5 blocks of 64 columns per row
+    triton_indexer._triton()
+    outs = []
+    for programs in (1, 2, 5):
+        out = torch.full((3, 300), 7.0, device=device)
+        with triton_common.device_guard(args[0].device):
+            triton_indexer.launch(*args, out, programs=programs)
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert_within_bound(outs[0], *args)
+
+
+@not_interpreted
+def test_programs_per_row_fill_the_device_once(monkeypatch):
+    """The rule: PROGRAMS_PER_UNIT programs per SM over the rows, at least 1 and at most the
+    row's column blocks (H200: 132 SMs)."""
+    from dsv4_compile.kernels import triton_common, triton_indexer
+
+    monkeypatch.setattr(triton_common, "compute_units", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert triton_indexer.PROGRAMS_PER_UNIT == 2
+    assert triton_indexer.programs_per_row(cuda, 64, 16) == 4  # decode b = 64, 1024 columns: 256 programs
+    assert triton_indexer.programs_per_row(cuda, 1, 16) == 16  # decode b = 1: a program per block
+    assert triton_indexer.programs_per_row(cuda, 8, 128) == 33
+    assert triton_indexer.programs_per_row(cuda, 8192, 16) == 1  # prefill: a program per row
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_empty(device):
     for tokens, width in ((0, 8), (3, 0)):
         q, weights, keys, slots = make_case(tokens, 4, 16, width, 5, device=device)

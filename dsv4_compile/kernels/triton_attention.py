@@ -596,20 +596,8 @@ def _triton():
 
 
 def _parallelism(device: torch.device) -> int:
-    """Programs that fill ``device`` once: its SM / Xe-core count (4 elsewhere: the interpreter,
-    or a fake CUDA device while tracing on a machine without one)."""
-    return _units(device.type, device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _units(device_type: str, index: int | None) -> int:
-    module = getattr(torch, device_type, None)
-    if device_type in triton_common.DEVICE_TYPES and module is not None and module.is_available():
-        props = module.get_device_properties(index if index is not None else module.current_device())
-        for name in ("multi_processor_count", "gpu_subslice_count"):
-            if getattr(props, name, 0):
-                return getattr(props, name)
-    return 4
+    """Programs that fill ``device`` once (:func:`~.triton_common.compute_units`)."""
+    return triton_common.compute_units(device)
 
 
 def decode_splits(device: torch.device, programs, keys: int, block_n: int):

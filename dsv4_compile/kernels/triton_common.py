@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -111,6 +112,23 @@ def require_device(triton, kernel, device: torch.device, what: str) -> None:
 
 _NO_GUARD = contextlib.nullcontext()
 _DEVICE_MODULES: dict = {}  # device type -> torch.cuda, torch.xpu, ...
+
+
+def compute_units(device: torch.device) -> int:
+    """``device``'s SM / Xe-core count: the programs that fill it once, one per unit (4 elsewhere:
+    the interpreter, or a fake CUDA device while tracing on a machine without one)."""
+    return _units(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _units(device_type: str, index: int | None) -> int:
+    module = getattr(torch, device_type, None)
+    if device_type in DEVICE_TYPES and module is not None and module.is_available():
+        props = module.get_device_properties(index if index is not None else module.current_device())
+        for name in ("multi_processor_count", "gpu_subslice_count"):
+            if getattr(props, name, 0):
+                return getattr(props, name)
+    return 4
 
 
 def device_guard(device: torch.device):

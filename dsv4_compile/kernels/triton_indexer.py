@@ -1,17 +1,19 @@
 """Triton kernels for ``dsv4::indexer_logits`` and ``dsv4::indexer_topk`` on CUDA and XPU
 (provider ``"triton"``).
 
-One program scores ``BLOCK_N`` blocks of one query row (docs/design.md §2.8)::
+A program scores ``BLOCK_N`` blocks of one query row at a time (docs/design.md §2.8)::
 
     logits[t, k] = sum_h w[t, h] * relu(<q[t, h], keys[block_slots[t, k]]>)     fp32
     logits[t, k] = -inf                                   where block_slots[t, k] == -1
 
 The ``BLOCK_N`` keys are gathered by slot once and scored against every head, ``BLOCK_H`` heads
 at a time, by one ``tl.dot`` of float32 operands (:func:`precision`: 3xTF32 on the tensor cores of
-NVIDIA GPUs, ~float32; float32 FMAs elsewhere). A program whose blocks are all ``-1`` (past the
-query's visible blocks) reads no key and scores no head, so a query's cost follows its visible
+NVIDIA GPUs, ~float32; float32 FMAs elsewhere). A column block whose blocks are all ``-1`` (past
+the query's visible blocks) reads no key and scores no head, so a query's cost follows its visible
 blocks, not the width of ``block_slots`` (the capacity of a request's cache); nothing is gathered
-into memory. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than
+into memory. A row's column blocks are shared among :func:`programs_per_row` programs, enough to
+fill the device once, so the blocks past the visible ones cost a few stores in a program that
+scores, not programs of their own. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than
 3xTF32 at the model's shapes (same geometry).
 
 The top-k (docs/design.md §2.9): one program per row holds the row's values in registers as
@@ -46,6 +48,9 @@ NAME = "triton"
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
+#: Programs of the logits kernel per SM / Xe-core that the grid aims at (:func:`programs_per_row`):
+#: two fit on an H200 SM (252 registers per thread and 98 KB of shared memory per 4-warp program).
+PROGRAMS_PER_UNIT = 2
 #: The top-k's programs (:func:`topk_program`): rows of up to :data:`TOPK_CHUNK` columns in
 #: registers; wider ones by :data:`TOPK_CHUNK`-column pieces selected in parallel
 #: (:func:`_launch_split`) while ``4 k <= TOPK_CHUNK``; past that, in registers up to
@@ -78,31 +83,33 @@ def _logits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = cols < width
-    slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
-    live = slots >= 0
-    # no head is scored (no key read) in a program none of whose blocks is visible
-    scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
     d = tl.arange(0, BLOCK_D)
     in_dim = d < dim
-    key = tl.load(
-        keys_ptr + slots[:, None] * k_s + d[None, :] * k_d, mask=live[:, None] & in_dim[None, :], other=0.0
-    )  # [BLOCK_N, BLOCK_D]
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for h0 in range(0, scored_heads, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        in_heads = h < heads
-        qh = tl.load(
-            q_ptr + t * q_t + h[:, None] * q_h + d[None, :] * q_d,
-            mask=in_heads[:, None] & in_dim[None, :], other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
-        scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-        w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
-        relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
-        acc += tl.sum(relu * w[:, None], axis=0)
-    logits = tl.where(live, acc, float("-inf"))
-    tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
+    # this program's blocks of BLOCK_N columns: its index in the row, then every num_programs(1)-th
+    for block in range(tl.program_id(1), tl.cdiv(width, BLOCK_N), tl.num_programs(1)):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = cols < width
+        slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
+        live = slots >= 0
+        # no head is scored (no key read) in a block none of whose columns is visible
+        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
+        key = tl.load(
+            keys_ptr + slots[:, None] * k_s + d[None, :] * k_d, mask=live[:, None] & in_dim[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for h0 in range(0, scored_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            in_heads = h < heads
+            qh = tl.load(
+                q_ptr + t * q_t + h[:, None] * q_h + d[None, :] * q_d,
+                mask=in_heads[:, None] & in_dim[None, :], other=0.0,
+            )  # [BLOCK_H, BLOCK_D]
+            scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+            w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
+            relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
+            acc += tl.sum(relu * w[:, None], axis=0)
+        logits = tl.where(live, acc, float("-inf"))
+        tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
 
 
 def _topk_key(x):
@@ -261,9 +268,22 @@ def indexer_logits(q, weights, keys, block_slots):
     return logits
 
 
-def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WARPS) -> None:
+def programs_per_row(device: torch.device, tokens: int, blocks: int) -> int:
+    """Programs that share a row's ``blocks`` column blocks (program ``j`` takes blocks ``j``,
+    ``j + n``, ...): as many as fill the device once, :data:`PROGRAMS_PER_UNIT` per SM / Xe-core,
+    over the ``tokens`` rows, at least 1 and at most ``blocks``. Every column's logit is the same
+    computation whichever program takes it, so this changes speed only. A grid of a program per
+    block (the rule before) ran blocks past a row's visible ones as programs of their own, which
+    hold the same registers and shared memory as scoring ones: at 64 decode rows of 1024 columns
+    with 256 visible, 1024 programs in 3.9 waves for 256 that score (benchmarks/RESULTS.md,
+    sixteenth run)."""
+    return max(1, min(blocks, PROGRAMS_PER_UNIT * triton_common.compute_units(device) // max(tokens, 1)))
+
+
+def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WARPS, programs=None) -> None:
     """Write ``logits`` with one launch (none for an empty call); ``blocks``: ``(BLOCK_N,
-    BLOCK_H)`` instead of :func:`geometry`'s (for sweeps)."""
+    BLOCK_H)`` instead of :func:`geometry`'s, ``programs``: programs per row instead of
+    :func:`programs_per_row`'s (both for sweeps)."""
     tokens, heads, dim = q.shape
     width = block_slots.shape[1]
     if tokens == 0 or width == 0:
@@ -271,8 +291,10 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
     block_n, block_h, block_d = geometry(dim, heads)
     if blocks is not None:
         block_n, block_h = blocks
+    column_blocks = -(-width // block_n)
+    programs = min(programs or programs_per_row(q.device, tokens, column_blocks), column_blocks)
     qs, ws, ks, ss = q.stride(), weights.stride(), keys.stride(), block_slots.stride()
-    triton_common.eager(_logits_kernel)[(tokens, -(-width // block_n))](
+    triton_common.eager(_logits_kernel)[(tokens, programs)](
         q, weights, keys, block_slots, logits,
         heads, dim, width,
         qs[0], qs[1], qs[2], ws[0], ws[1], ks[0], ks[1], ss[0], ss[1], logits.stride()[0],
