@@ -24,7 +24,9 @@ def expected_writes(page_size, stride, slot, data, scales):
 
 
 def token_bytes(cache, page_size, slot):
-    """``(data, scales)`` of the token at ``slot``, as lists of bytes (docs/design.md §2.2)."""
+    """``(data, scales)`` of the token at ``slot``, as lists of bytes, read at docs/design.md §2.2's
+    offsets (as :func:`expected_writes`; not through ``layout.data_records``, whose offsets these
+    tests check)."""
     page, off = divmod(slot, page_size)
     row, scales = cache[page], page_size * 576 + off * 8
     return row[off * 576 : off * 576 + 576].tolist(), row[scales : scales + 8].tolist()

@@ -83,7 +83,7 @@ def splits(monkeypatch):
     def force(n):
         base = ta.decode_config
         monkeypatch.setattr(ta, "decode_config", lambda device: dataclasses.replace(base(device), block_n=32))
-        monkeypatch.setattr(ta, "_parallelism", lambda device: n * 1_000_000)
+        monkeypatch.setattr(triton_common, "compute_units", lambda device: n * 1_000_000)
         monkeypatch.setattr(ta, "MAX_SPLITS", n)
         monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 1)
 
@@ -337,7 +337,7 @@ def test_decode_order_decided_at_run_time(device, monkeypatch):
     split leaves more rows than a wave: rows of many lengths (empty ones too) each written once,
     and bit for bit as unordered (the order moves a row to another program, not its arithmetic).
     Which row each program takes is :func:`test_longest_first`'s."""
-    monkeypatch.setattr(ta, "_parallelism", lambda device: 4)  # on any device: one split, a wave of 4 of the 18 rows
+    monkeypatch.setattr(triton_common, "compute_units", lambda device: 4)  # on any device: one split, a wave of 4 of the 18 rows
     args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
     assert planned_splits(args) == 1
     monkeypatch.setattr(ta, "decode_order", lambda *a: (0, 1, 1))
@@ -534,7 +534,7 @@ def test_provider_serves_available_cuda_and_xpu_devices(monkeypatch):
 
 def test_decode_splits_fill_the_device_once(monkeypatch):
     """Splits fill the device once, each with at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS."""
-    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
+    monkeypatch.setattr(triton_common, "compute_units", lambda device: 132)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 128)
     assert ta.decode_splits(cuda, 1, 640, 32) == 5  # capped by the keys per split
@@ -684,7 +684,7 @@ def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launche
 
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Target())  # TTIR mutation analysis
     monkeypatch.setattr(triton_common, "device_available", lambda device: True)
-    monkeypatch.setattr(ta, "_parallelism", lambda device: 132)
+    monkeypatch.setattr(triton_common, "compute_units", lambda device: 132)
     with FakeTensorMode(), torch.device("cuda"):
         q = torch.empty(rows, 1, 64, 512, dtype=torch.bfloat16)
         cache = torch.empty(4, layout.page_bytes(64), dtype=torch.uint8)

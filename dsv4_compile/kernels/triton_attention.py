@@ -595,18 +595,13 @@ def _triton():
 # --------------------------------------------------------------------------------------------
 
 
-def _parallelism(device: torch.device) -> int:
-    """Programs that fill ``device`` once (:func:`~.triton_common.compute_units`)."""
-    return triton_common.compute_units(device)
-
-
 def decode_splits(device: torch.device, programs, keys: int, block_n: int):
     """Splits of each row's keys: enough programs to fill the device once, with at least
     :data:`MIN_SPLIT_KEYS` (and one key block) per split, at most :data:`MAX_SPLITS`. A function of
     shapes only; guard-free for symbolic ``programs``."""
     per_split = max(MIN_SPLIT_KEYS, block_n)
     cap = max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
-    return torch.sym_max(1, torch.sym_min(cap, _parallelism(device) // torch.sym_max(programs, 1)))
+    return torch.sym_max(1, torch.sym_min(cap, triton_common.compute_units(device) // torch.sym_max(programs, 1)))
 
 
 def decode_plan(device: torch.device, rows, heads: int, keys: int):
@@ -694,7 +689,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
     head_blocks = -(-heads // block_h)
-    wave = _parallelism(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
+    wave = triton_common.compute_units(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
     has_len, has_x_len = topk_length is not None, has_extra and extra_topk_length is not None
     order = decode_order(config, rows, wave, splits, width, extra_width, has_len or has_x_len)
     partial = _partial_mode(splits)

@@ -8,13 +8,13 @@ A program scores ``BLOCK_N`` blocks of one query row at a time (docs/design.md ย
 
 The ``BLOCK_N`` keys are gathered by slot once and scored against every head, ``BLOCK_H`` heads
 at a time, by one ``tl.dot`` of float32 operands (:func:`precision`: 3xTF32 on the tensor cores of
-NVIDIA GPUs, ~float32; float32 FMAs elsewhere). A column block whose blocks are all ``-1`` (past
-the query's visible blocks) reads no key and scores no head, so a query's cost follows its visible
-blocks, not the width of ``block_slots`` (the capacity of a request's cache); nothing is gathered
-into memory. A row's column blocks are shared among :func:`programs_per_row` programs, enough to
-fill the device once, so the blocks past the visible ones cost a few stores in a program that
-scores, not programs of their own. On the H200 (benchmarks/RESULTS.md) IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than
-3xTF32 at the model's shapes (same geometry).
+NVIDIA GPUs, ~float32; float32 FMAs elsewhere). ``BLOCK_N`` columns all ``-1`` (past the query's
+visible blocks) read no key and score no head, so a query's cost follows its visible blocks, not
+the width of ``block_slots`` (the capacity of a request's cache); nothing is gathered into memory.
+A row's column blocks (``BLOCK_N`` columns each) are shared among :func:`programs_per_row`
+programs, enough to fill the device once, so the column blocks past the visible ones cost a few
+stores in a program that scores, not programs of their own. On the H200 (benchmarks/RESULTS.md)
+IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than 3xTF32 at the model's shapes (same geometry).
 
 The top-k (docs/design.md ยง2.9): one program per row holds the row's values in registers as
 32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high

@@ -31,7 +31,8 @@ OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 def recorded(capability: tuple[int, int], units: int | None = None):
     """Within it, the Triton launches of the kernel modules append ``(kernel, args, kwargs)`` to
     the yielded list instead of running, as a GPU of ``capability`` makes them; with ``units``
-    SMs if given (the decode's splits and loop stages depend on them; else 4)."""
+    SMs if given (the decode's splits and loop stages and the indexer logits' grid depend on
+    them; else 4)."""
     launches = []
 
     class Recorder:  # stands in for triton_common.eager(kernel): [grid](*args, **kwargs) records
@@ -48,7 +49,7 @@ def recorded(capability: tuple[int, int], units: int | None = None):
         (triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10)),
     ]
     if units is not None:
-        patches.append((triton_attention, "_parallelism", lambda device: units))
+        patches.append((triton_common, "compute_units", lambda device: units))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
