@@ -1,16 +1,17 @@
 """Bandwidth of the Triton cache store (``dsv4::fused_k_norm_rope_flashmla``) against a plain copy.
 
 For each token count T (page size 256, bf16 ``kv``) the store moves, per token, 1024 B of ``kv``,
-256 B of ``freqs`` row, 16 B of position and slot (reads) and 584 B of cache (writes). A
+256 B of ``freqs`` row, 16 B of position and slot (reads) and a token of the cache format (writes:
+584 B for V4, the default; ``--format`` picks another). A
 device-to-device copy of half that many bytes moves the same traffic (read + write); its
 bandwidth is the ceiling. Times are medians of ``triton.testing.do_bench`` (L2 flushed between
 runs). Rows: the kernel launched directly for each launch geometry (tokens per program, warps;
-``*`` marks ``triton_store.GEOMETRY``'s V4 default; ``int``: rounding in integer arithmetic
+``*`` marks the geometry ``triton_store.geometry`` picks for the format and T; ``int``: rounding in integer arithmetic
 instead of the GPU's conversion instructions), and the op called eagerly (adds the
 dispatcher, provider trampoline and checks: host time, visible at small T). ``--graph`` times the
 copy and the default geometry's kernel instead as CUDA-graph replays of 10 back-to-back calls
 (median of 7; no host time, no L2 flush: the steady figure for small T, where ``do_bench`` of a
-single ~6 µs kernel swings from run to run).
+single ~6 µs kernel swings from run to run); ``--graph --sweep`` times every geometry that way.
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``
 """
@@ -30,8 +31,16 @@ from dsv4_compile.kernels import triton_common, triton_store
 from common import graph_timed
 
 PAGE_SIZE = 256
-BYTES_PER_TOKEN = 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.TOKEN_BYTES
-GEOMETRIES = [(1, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (tokens, warps) per program
+FORMAT = "v4"  # the cache format stored (--format)
+
+
+def traffic_per_token(kv_format: str = "v4") -> int:
+    """Bytes a stored token moves: ``kv`` row, ``freqs`` row, position and slot read, token written."""
+    return 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.cache_format(kv_format).token_bytes
+
+
+BYTES_PER_TOKEN = traffic_per_token("v4")
+GEOMETRIES = [(1, 1), (2, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (tokens, warps) per program
 
 
 def inputs(num_tokens: int, scattered: bool):
@@ -45,7 +54,7 @@ def inputs(num_tokens: int, scattered: bool):
         torch.randn(65536, layout.ROPE_DIM, device="cuda"),
         torch.randint(0, 65536, (num_tokens,), device="cuda"),
         slots,
-        d4.alloc_cache(num_pages, PAGE_SIZE, "cuda"),
+        d4.alloc_cache(num_pages, PAGE_SIZE, "cuda", kv_format=FORMAT),
         1e-6,
         PAGE_SIZE,
     )
@@ -57,8 +66,8 @@ def median_ms(fn) -> float:
 
 @contextlib.contextmanager
 def geometry(block_t: int, num_warps: int):
-    """Within: the V4 store launches ``block_t`` tokens per program on ``num_warps`` warps."""
-    with mock.patch.dict(triton_store.GEOMETRY, v4=(block_t, num_warps)):
+    """Within: the store launches ``block_t`` tokens per program on ``num_warps`` warps, whatever the count."""
+    with mock.patch.object(triton_store, "geometry", lambda fmt, num_tokens: (block_t, num_warps)):
         yield
 
 
@@ -67,25 +76,29 @@ def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) 
     where the conversion instructions are used (``triton_common.hardware_conversions``)."""
     forced = {} if hardware is None else {args[0].device: hardware}
     with geometry(block_t, num_warps), mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
-        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))  # Triton's own launcher
+        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, FORMAT, True))  # Triton's own launcher
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 65536])
     parser.add_argument("--graph", action="store_true", help="CUDA-graph timing of the copy and the default kernel")
+    parser.add_argument("--sweep", action="store_true", help="with --graph: every geometry, not only the default")
+    parser.add_argument("--format", default="v4", help="the cache format stored (v4, v4.1-fp8, v4.1-fp4, ...)")
     opts = parser.parse_args()
+    global FORMAT
+    FORMAT = opts.format
     if not torch.cuda.is_available():
         raise SystemExit("bench_store.py needs a CUDA device")
     triton_store.register()  # idempotent: the package may have registered it already
     assert d4.providers("cuda")[triton_store.OP] == triton_store.NAME  # and jits the kernel
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"P={PAGE_SIZE}, {BYTES_PER_TOKEN} B of traffic per token")
+          f"{FORMAT}, P={PAGE_SIZE}, {traffic_per_token(FORMAT)} B of traffic per token")
     header = f"{'T':>6} {'slots':>10} {'what':>16} {'us':>9} {'GB/s':>8} {'of copy':>8}"
     print(header)
     print("-" * len(header))
     for num_tokens in opts.tokens:
-        traffic = num_tokens * BYTES_PER_TOKEN
+        traffic = num_tokens * traffic_per_token(FORMAT)
         src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         time_ms = (lambda fn: graph_timed(fn) / 1e3) if opts.graph else median_ms
@@ -94,12 +107,15 @@ def main() -> None:
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
             args = inputs(num_tokens, scattered)
-            default = triton_store.geometry(layout.V4)
+            default = triton_store.geometry(layout.cache_format(FORMAT), num_tokens)
             if opts.graph:
-                ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True))
-                gbs = traffic / ms / 1e6
-                print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} "
-                      f"{'graph ' + 'x'.join(map(str, default)):>16} {ms * 1e3:>9.2f} {gbs:>8.0f} {gbs / copy_gbs:>8.0%}")
+                for bt, nw in GEOMETRIES if opts.sweep else [default]:
+                    with geometry(bt, nw):
+                        ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, FORMAT, True))
+                    gbs = traffic / ms / 1e6
+                    what = f"graph {bt}x{nw}{'*' if (bt, nw) == default else ''}"
+                    print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} "
+                          f"{what:>16} {ms * 1e3:>9.2f} {gbs:>8.0f} {gbs / copy_gbs:>8.0%}")
                 continue
             rows = [
                 (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
@@ -107,7 +123,7 @@ def main() -> None:
             ]
             rows.append((f"kernel {default[0]}x{default[1]} int", kernel_ms(args, *default, hardware=False)))
             op = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
-            rows.append(("op (eager)", median_ms(lambda: op(*args))))
+            rows.append(("op (eager)", median_ms(lambda: op(*args, FORMAT))))
             for what, ms in rows:
                 gbs = traffic / ms / 1e6
                 print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} {what:>16} "

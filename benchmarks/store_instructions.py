@@ -10,7 +10,7 @@ pairs that a select per byte costs). On the H200 the V4 store was bound by instr
 (benchmarks/RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per
 cycle, 65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
 
-For each format, geometry (tokens x warps per program; ``*`` = the kernel's default) and rounding
+For each format, geometry (tokens x warps per program; ``*`` = the kernel's for large stores) and rounding
 path (``cvt``: the conversion instructions used on SM89+; ``int``: integer arithmetic), compiled
 for ``--arch`` (compute capability x 10) with pointers 16-byte aligned, strides divisible by 16 and
 the stride arguments of contiguous tensors (equal to 1) made constants, as Triton specialises the
@@ -120,7 +120,7 @@ def main() -> None:
     print(f"sm_{args.arch}{cap}: warp-instructions per token ({what}, one program x warps / tokens)")
     print(f"{'format':<22} {'geometry':>9} {'cvt':>6} {'int':>6}" + (f" {'regs':>5} {'stack':>6}" if args.sass else ""))
     for kv_format in args.formats:
-        default = triton_store.geometry(layout.cache_format(kv_format))
+        default = triton_store.geometry(layout.cache_format(kv_format), triton_store.SMALL_TOKENS + 1)
         for block_t, warps in GEOMETRIES:
             programs = [compiled_store(kv_format, block_t, warps, hw, args.arch, args.maxnreg)
                         for hw in ((True, False) if args.arch >= 89 else (False,))]

@@ -43,12 +43,14 @@ def calls():
     bf16 = dict(dtype=torch.bfloat16)
     for kv_format in layout.FORMATS:
         cache = layout.alloc_cache(4, 8, "cpu", kv_format=kv_format)
-        kv = torch.randn(5, 512, generator=g, **bf16)
-        slots = torch.arange(5)
-        yield triton_store.fused_k_norm_rope_flashmla, (
-            kv, torch.ones(512, **bf16), torch.randn(16, 64, generator=g), slots, slots, cache, 1e-6, 8, kv_format,
-        )
-        yield triton_store.quantize_store, (kv, slots, cache, 8, kv_format)
+        for tokens in (5, triton_store.SMALL_TOKENS + 1):  # both launch geometries (recorded, not run)
+            kv = torch.randn(tokens, 512, generator=g, **bf16)
+            slots = torch.arange(tokens)
+            yield triton_store.fused_k_norm_rope_flashmla, (
+                kv, torch.ones(512, **bf16), torch.randn(16, 64, generator=g), slots, slots, cache, 1e-6, 8,
+                kv_format,
+            )
+            yield triton_store.quantize_store, (kv, slots, cache, 8, kv_format)
     cache = layout.alloc_cache(4, 64, "cpu")
     # split (+ combine) into one-block splits (one-stage loops), into splits of several blocks, and
     # not split (4 SMs while recorded)

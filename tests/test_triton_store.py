@@ -210,9 +210,27 @@ def test_empty_batch(device):
     assert torch.equal(args[5], before)
 
 
+@pytest.fixture(params=["one-token", "format"])
+def geometry(request, monkeypatch):
+    """The store's launch geometry, whatever the token count: one token per program
+    (``"one-token"``, the small stores') or the format's :data:`~triton_store.GEOMETRY`."""
+    monkeypatch.setattr(triton_store, "SMALL_TOKENS", 2**31 if request.param == "one-token" else 0)
+    return request.param
+
+
+def test_geometry_by_token_count():
+    """One token per one-warp program up to SMALL_TOKENS tokens, the format's geometry beyond."""
+    for kv_format in layout.FORMATS:
+        fmt = layout.cache_format(kv_format)
+        large = triton_store.GEOMETRY["v4" if fmt.is_v4 else fmt.values]
+        assert large != (1, 1)
+        assert triton_store.geometry(fmt, 1) == triton_store.geometry(fmt, triton_store.SMALL_TOKENS) == (1, 1)
+        assert triton_store.geometry(fmt, triton_store.SMALL_TOKENS + 1) == large
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_tokens(device):
-    """More tokens than one program handles, with a partial last block."""
+def test_many_tokens(device, geometry):
+    """More tokens than one program handles, with a partial last block, in both geometries."""
     num_tokens = 8191 if device == "cuda" else 61
     args = make_case(device, num_tokens, 256, holes=5)
     expected = run_both(args)
@@ -312,9 +330,9 @@ FORMAT_CASES = [(f, fused) for fused in (True, False) for f in ["v4", *V41]]
 @pytest.mark.parametrize(
     "kv_format, fused", FORMAT_CASES, ids=[f"{f}-{'fused' if fused else 'plain'}" for f, fused in FORMAT_CASES]
 )
-def test_formats_match_reference(device, kv_format, fused):
-    """Every format's store (V4, V4.1 FP8 / FP4 block-split / interleaved; fused / plain) at an
-    odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same
+def test_formats_match_reference(device, kv_format, fused, geometry):
+    """Every format's store (V4, V4.1 FP8 / FP4 block-split / interleaved; fused / plain), in both
+    launch geometries, at an odd page stride: untouched bytes and NaN tokens exact; the plain store byte-exact (the same
     fp32 operations); the fused store's values within one code of the reference's (a last-bit
     difference of the norm can move a bf16 rounding)."""
     page_size = 5
@@ -687,7 +705,7 @@ def test_compile_with_dynamic_token_count():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(_store_fn, fullgraph=True, dynamic=True, backend=counter)
-    for num_tokens in (37, 300, 1025):  # partial last blocks of BLOCK_T tokens
+    for num_tokens in (37, 300, 1025):  # one-token programs; past SMALL_TOKENS, a partial last block
         args = make_case("cuda", num_tokens, 64, holes=3)
         expected = args[5].clone()
         STORE(*args[:5], expected, *args[6:])

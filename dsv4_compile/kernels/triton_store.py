@@ -1,6 +1,7 @@
 """Triton kernel for ``dsv4::fused_k_norm_rope_flashmla`` on CUDA and XPU (provider ``"triton"``).
 
-One program stores ``BLOCK_T`` tokens. Per token, in fp32 (docs/design.md §2.1, layout §2.2)::
+One program stores ``BLOCK_T`` tokens (:func:`geometry`: one per program in small stores, a few
+per program by the format in large ones). Per token, in fp32 (docs/design.md §2.1, layout §2.2)::
 
     y     = x * rsqrt(mean(x^2) + eps) * w                              all 512 dims, overflow-free
                                                                         (reference.rms_norm)
@@ -47,6 +48,12 @@ NAME = "triton"
 #: program)``, the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens;
 #: FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped dividing, ninth run).
 GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
+#: Up to this many tokens (a decode step's stores, a short prefill) every format stores one token
+#: per one-warp program instead: the device has SMs to spare, and a program that handles one token
+#: finishes sooner. On the H200 (benchmarks/RESULTS.md, seventeenth run; CUDA graphs) that took
+#: 0.69-0.88x the time of :data:`GEOMETRY`'s at 1 to 256 tokens in every format, 0.92-0.99x at 1024;
+#: at 4096 tokens :data:`GEOMETRY`'s was the faster (1x1 took 1.06-1.28x its time).
+SMALL_TOKENS = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +397,7 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     else:
         kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
     freqs_stride = freqs.stride()  # whole stride tuples: cheaper on the eager path than stride(i)
-    block_t, warps = geometry(fmt)
+    block_t, warps = geometry(fmt, num_tokens)
     kernels(kernel)[(-(-num_tokens // block_t),)](
         kv, kv_weight, freqs, positions, out_loc, kvcache,
         num_tokens, kv.stride()[0], kv_weight.stride()[0], freqs_stride[0], freqs_stride[1],
@@ -401,8 +408,11 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     )
 
 
-def geometry(fmt: layout.CacheFormat) -> tuple[int, int]:
-    """``(tokens, warps)`` per program of the store of cache format ``fmt`` (:data:`GEOMETRY`)."""
+def geometry(fmt: layout.CacheFormat, num_tokens: int) -> tuple[int, int]:
+    """``(tokens, warps)`` per program of a store of ``num_tokens`` tokens in cache format ``fmt``:
+    ``(1, 1)`` up to :data:`SMALL_TOKENS` tokens, else :data:`GEOMETRY`'s for the format."""
+    if num_tokens <= SMALL_TOKENS:
+        return 1, 1
     return GEOMETRY["v4" if fmt.is_v4 else fmt.values]
 
 
