@@ -2,7 +2,7 @@
 code between), counted offline; no GPU needed.
 
     python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8] [--formats v4 v4]
-    python benchmarks/kernel_sass.py prefill | topk [--width 4096]
+    python benchmarks/kernel_sass.py prefill | topk [--width 4096] | logits [--rows 64]
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
 choices a GPU of ``--arch`` with ``--sms`` SMs gets, and each launch is compiled as Triton
@@ -17,7 +17,8 @@ one-block program passes through (benchmarks/RESULTS.md).
 Cases: ``decode``: ``rows`` query rows of 64 heads over a V4 cache (P = 256, 128 indices) and a
 V4 extra cache (P = 64, 512 indices), lengths and sink; ``prefill``: 64 heads, 512-dim keys,
 top-k 640; ``topk``: ``rows`` rows of ``width`` logits, k = 512 (each launch of the program
-:func:`topk_program` picks).
+:func:`topk_program` picks); ``logits``: the indexer logits of ``rows`` rows of 1024 columns, 64
+heads, 128-dim float32 keys (3xTF32 on SM80+).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms:
             idx = torch.randint(0, 1024, (rows, 1, 640), dtype=torch.int32)
             triton_attention.flash_mla_sparse_fwd(torch.randn(rows, 64, 512, **bf16), kv, idx, 0.05, 512,
                                                   torch.zeros(64), torch.full((rows,), 600, dtype=torch.int32))
+        elif case == "logits":
+            slots = torch.arange(rows * 1024).reshape(rows, 1024)
+            triton_indexer.launch(torch.randn(rows, 64, 128), torch.randn(rows, 64), torch.randn(rows * 1024, 128),
+                                  slots, torch.empty(rows, 1024))
         else:
             out = torch.empty(rows, 512, dtype=torch.int64)
             triton_indexer.launch_topk(torch.randn(rows, width), 512, out)
@@ -82,7 +87,7 @@ def regions(sass: str) -> list[tuple[str, collections.Counter]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", choices=["decode", "prefill", "topk"])
+    parser.add_argument("case", choices=["decode", "prefill", "topk", "logits"])
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--width", type=int, default=4096, help="top-k: columns of the row")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80, 89, 90, ...)")
