@@ -31,7 +31,6 @@ from dsv4_compile.kernels import triton_common, triton_store
 from common import graph_timed
 
 PAGE_SIZE = 256
-FORMAT = "v4"  # the cache format stored (--format)
 
 
 def traffic_per_token(kv_format: str = "v4") -> int:
@@ -43,7 +42,7 @@ BYTES_PER_TOKEN = traffic_per_token("v4")
 GEOMETRIES = [(1, 1), (2, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (tokens, warps) per program
 
 
-def inputs(num_tokens: int, scattered: bool):
+def inputs(num_tokens: int, scattered: bool, kv_format: str = "v4"):
     num_pages = -(-2 * num_tokens // PAGE_SIZE)
     cap = num_pages * PAGE_SIZE
     order = torch.randperm(cap, device="cuda") if scattered else torch.arange(cap, device="cuda")
@@ -54,7 +53,7 @@ def inputs(num_tokens: int, scattered: bool):
         torch.randn(65536, layout.ROPE_DIM, device="cuda"),
         torch.randint(0, 65536, (num_tokens,), device="cuda"),
         slots,
-        d4.alloc_cache(num_pages, PAGE_SIZE, "cuda", kv_format=FORMAT),
+        d4.alloc_cache(num_pages, PAGE_SIZE, "cuda", kv_format=kv_format),
         1e-6,
         PAGE_SIZE,
     )
@@ -71,12 +70,12 @@ def geometry(block_t: int, num_warps: int):
         yield
 
 
-def kernel_ms(args, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
+def kernel_ms(args, kv_format: str, block_t: int, num_warps: int, hardware: bool | None = None) -> float:
     """The kernel at a launch geometry; ``hardware=False``: rounding in integer arithmetic even
     where the conversion instructions are used (``triton_common.hardware_conversions``)."""
     forced = {} if hardware is None else {args[0].device: hardware}
     with geometry(block_t, num_warps), mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
-        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, FORMAT, True))  # Triton's own launcher
+        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, kv_format, True))  # Triton's own launcher
 
 
 def main() -> None:
@@ -86,19 +85,18 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="with --graph: every geometry, not only the default")
     parser.add_argument("--format", default="v4", help="the cache format stored (v4, v4.1-fp8, v4.1-fp4, ...)")
     opts = parser.parse_args()
-    global FORMAT
-    FORMAT = opts.format
+    kv_format = opts.format
     if not torch.cuda.is_available():
         raise SystemExit("bench_store.py needs a CUDA device")
     triton_store.register()  # idempotent: the package may have registered it already
     assert d4.providers("cuda")[triton_store.OP] == triton_store.NAME  # and jits the kernel
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"{FORMAT}, P={PAGE_SIZE}, {traffic_per_token(FORMAT)} B of traffic per token")
+          f"{kv_format}, P={PAGE_SIZE}, {traffic_per_token(kv_format)} B of traffic per token")
     header = f"{'T':>6} {'slots':>10} {'what':>16} {'us':>9} {'GB/s':>8} {'of copy':>8}"
     print(header)
     print("-" * len(header))
     for num_tokens in opts.tokens:
-        traffic = num_tokens * traffic_per_token(FORMAT)
+        traffic = num_tokens * traffic_per_token(kv_format)
         src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         time_ms = (lambda fn: graph_timed(fn) / 1e3) if opts.graph else median_ms
@@ -106,24 +104,24 @@ def main() -> None:
         copy_gbs = traffic / copy_ms / 1e6
         print(f"{num_tokens:>6} {'':>10} {'copy':>16} {copy_ms * 1e3:>9.2f} {copy_gbs:>8.0f} {1:>8.0%}")
         for scattered in (False, True):
-            args = inputs(num_tokens, scattered)
-            default = triton_store.geometry(layout.cache_format(FORMAT), num_tokens)
+            args = inputs(num_tokens, scattered, kv_format)
+            default = triton_store.geometry(layout.cache_format(kv_format), num_tokens)
             if opts.graph:
                 for bt, nw in GEOMETRIES if opts.sweep else [default]:
                     with geometry(bt, nw):
-                        ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, FORMAT, True))
+                        ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, kv_format, True))
                     gbs = traffic / ms / 1e6
                     what = f"graph {bt}x{nw}{'*' if (bt, nw) == default else ''}"
                     print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} "
                           f"{what:>16} {ms * 1e3:>9.2f} {gbs:>8.0f} {gbs / copy_gbs:>8.0%}")
                 continue
             rows = [
-                (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, bt, nw))
+                (f"kernel {bt}x{nw}{'*' if (bt, nw) == default else ''}", kernel_ms(args, kv_format, bt, nw))
                 for bt, nw in GEOMETRIES
             ]
-            rows.append((f"kernel {default[0]}x{default[1]} int", kernel_ms(args, *default, hardware=False)))
+            rows.append((f"kernel {default[0]}x{default[1]} int", kernel_ms(args, kv_format, *default, hardware=False)))
             op = torch.ops.dsv4.fused_k_norm_rope_flashmla.default
-            rows.append(("op (eager)", median_ms(lambda: op(*args, FORMAT))))
+            rows.append(("op (eager)", median_ms(lambda: op(*args, kv_format))))
             for what, ms in rows:
                 gbs = traffic / ms / 1e6
                 print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} {what:>16} "
