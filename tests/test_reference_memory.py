@@ -4,6 +4,12 @@
 The reference serves CPU, is the fallback on every device and is the test oracle: a 512-row decode
 over 2048 keys must not cost gigabytes. Each case runs in a fresh process, which resets its peak
 (``VmHWM``, via ``/proc/self/clear_refs``) after building the inputs and measures the call.
+
+The child runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``). By default glibc
+raises the threshold to the size of each large block freed, so later blocks of that size come from
+the heap and stay resident after they are freed: the peak then depends on the order of frees, and a
+case measured 33 or 63 MB from run to run. With the threshold fixed every large tensor is mapped
+and unmapped with its lifetime, and the RSS follows the live tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pytest
 from dsv4_compile.kernels import reference
 
 SLACK = 16 << 20  # allocator and interpreter noise
+MMAP_THRESHOLD = 1 << 20  # glibc: blocks of 1 MiB or more are mapped, and unmapped when freed
 
 SCRIPT = textwrap.dedent(
     """
@@ -96,6 +103,7 @@ def test_peak_memory_is_bounded(op, request):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env.pop("DSV4_COMPILE_PROVIDER", None)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     child = subprocess.run([sys.executable, "-c", SCRIPT, op], capture_output=True, text=True, env=env, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     peak, outputs = map(int, child.stdout.split())
