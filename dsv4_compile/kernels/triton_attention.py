@@ -810,26 +810,9 @@ register()
 
 
 def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
-    """Whether ``torch.compile`` traces ``op`` on ``device`` into visible Triton launches.
-
-    True when, at compile time, the provider that serves ``op`` on ``device`` (under the current
-    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, compiled (not
-    interpreted), and :func:`.triton_common.inlining_allowed`. The graph then launches the kernels
-    itself: an override set *after* compiling does not reach it. Otherwise the op stays one opaque
-    node that resolves its provider when it runs.
-    """
-    if not triton_common.inlining_allowed(device):
-        return False
-    call = None
-    if args is not None:  # the call's signature: provider rules may depend on it
-        call_type, key = ops.CALLS[op]
-        call = call_type(*key(args))
-    try:
-        if dispatch.resolve(op, device, call)[1] is not KERNELS[op]:
-            return False
-    except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
-        return False
-    return not triton_common.interpreting(_decode_kernel)  # interpreted kernels cannot be traced
+    """Whether ``torch.compile`` traces attention op ``op`` on ``device`` (for a call with ``args``)
+    into this module's launches (:func:`.triton_common.inlines`)."""
+    return triton_common.inlines(op, device, args, KERNELS[op], _decode_kernel)
 
 
 def _functional_rule(op: str, launch, check):

@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .. import checks, dispatch
+from .. import checks, dispatch, ops
 
 DEVICE_TYPES = ("cuda", "xpu")
 #: Triton backends that serve each device type.
@@ -292,6 +292,34 @@ def inlining_allowed(device: torch.device) -> bool:
         and os.environ.get(INLINE_ENV, "1") != "0"
         and not checks.checked_mode()
     )
+
+
+def inlines(op: str, device: torch.device, args: tuple | None, entry, kernel) -> bool:
+    """Whether ``torch.compile`` traces ``op`` on ``device`` (for a call with ``args``, or for any
+    call when ``None``) into visible launches of a Triton module whose provider entry for ``op`` is
+    ``entry`` and whose jitted ``kernel`` says whether Triton interprets it.
+
+    True when, at compile time, the provider that serves the call on ``device`` (under the current
+    :func:`~dsv4_compile.use_provider` override) runs ``entry``, compiled (not ``TRITON_INTERPRET``:
+    interpreted kernels cannot be traced), and :func:`inlining_allowed`. The graph then launches the
+    kernels itself: a provider override or checked mode set *after* compiling does not reach it
+    (recompile, e.g. after ``torch._dynamo.reset()``). The compile caches' key includes whether
+    inlining is possible now (:func:`register_cache_key`), so a cached inlined graph is not reused by
+    a compile made under an override. Otherwise the op stays one opaque node that resolves its
+    provider when it runs.
+    """
+    if not inlining_allowed(device):
+        return False
+    call = None
+    if args is not None:  # the call's signature: provider rules may depend on it
+        call_type, key = ops.CALLS[op]
+        call = call_type(*key(args))
+    try:
+        if dispatch.resolve(op, device, call)[1] is not entry:
+            return False
+    except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
+        return False
+    return not interpreting(kernel)
 
 
 def may_trace(types) -> bool:

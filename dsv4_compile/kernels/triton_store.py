@@ -462,30 +462,9 @@ register()
 
 
 def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
-    """Whether ``torch.compile`` traces store op ``op`` on ``device`` (for a call with ``args``)
-    into a visible Triton launch.
-
-    True when, at compile time, the provider serving the call on ``device`` (under the current
-    :func:`~dsv4_compile.use_provider` override) runs this module's kernel, compiled (not
-    ``TRITON_INTERPRET``), and :func:`.triton_common.inlining_allowed`. The graph then launches the
-    kernel directly: a provider override or checked mode set *after* compiling does not reach it
-    (recompile, e.g. after ``torch._dynamo.reset()``). The compile caches' key includes whether
-    inlining is possible now (:func:`.triton_common.register_cache_key`), so a cached inlined graph
-    is not reused by a compile made under an override. Otherwise the op stays an opaque call that
-    resolves its provider when it runs.
-    """
-    if not triton_common.inlining_allowed(device):
-        return False
-    call = None
-    if args is not None:
-        call_type, key = ops.CALLS[op]
-        call = call_type(*key(args))
-    try:
-        if dispatch.resolve(op, device, call)[1] is not KERNELS[op]:
-            return False
-    except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
-        return False
-    return not triton_common.interpreting(_store_kernel)  # interpreted kernels cannot be traced
+    """Whether ``torch.compile`` traces store op ``op`` on ``device`` (for a call with ``args``) into
+    a visible launch of this module's kernel (:func:`.triton_common.inlines`)."""
+    return triton_common.inlines(op, device, args, KERNELS[op], _store_kernel)
 
 
 def _functional_rule(op_name: str, check, launch_arguments):
