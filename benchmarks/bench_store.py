@@ -13,17 +13,19 @@ copy and the default geometry's kernel instead as CUDA-graph replays of 10 back-
 (median of 7; no host time, no L2 flush: the steady figure for small T, where ``do_bench`` of a
 single ~6 µs kernel swings from run to run); ``--graph --sweep`` times every geometry that way.
 
-Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``
+Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_store.py [--tokens 1024 8192 65536]``;
+``python benchmarks/bench_store.py plot OUT.png LOG [LOG ...]`` draws the ``--graph`` tables this
+script printed (one log per format; no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from unittest import mock
 
 import torch
-import triton.testing
 
 import dsv4_compile as d4
 from dsv4_compile import layout
@@ -60,6 +62,8 @@ def inputs(num_tokens: int, scattered: bool, kv_format: str = "v4"):
 
 
 def median_ms(fn) -> float:
+    import triton.testing
+
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
@@ -78,7 +82,68 @@ def kernel_ms(args, kv_format: str, block_t: int, num_warps: int, hardware: bool
         return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, kv_format, True))  # Triton's own launcher
 
 
+def read_log(path: str) -> tuple[str, str, dict]:
+    """A ``--graph`` log printed by :func:`main`: its title line, its format, and ``{what: {T: GB/s}}``
+    for the copy and the rule's geometry (the rows marked ``*``), contiguous and scattered."""
+    lines = open(path).read().splitlines()
+    title = lines[0]
+    kv_format = title.split("triton ")[1].split()[1].rstrip(",")
+    series: dict = {}
+    for line in lines:
+        cols = line.split()
+        if len(cols) == 5 and cols[1] == "copy":
+            series.setdefault("copy", {})[int(cols[0])] = float(cols[3])
+        elif len(cols) == 7 and cols[3].endswith("*"):
+            series.setdefault(cols[1], {})[int(cols[0])] = float(cols[5])
+    if "copy" not in series:
+        raise SystemExit(f"{path}: no copy rows; expected a log of `bench_store.py --graph`")
+    return title, kv_format, series
+
+
+def plot(path: str, logs: list[str]) -> None:
+    """Left: bandwidth against T, the copy of the same bytes (gray, one curve per log) and each
+    format's store at the rule's geometry, contiguous (solid) and scattered (dashed); right: the
+    store's share of the copy against the 75% goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.0))
+    title = ""
+    for i, log in enumerate(logs):
+        title, kv_format, series = read_log(log)
+        copy = series["copy"]
+        tokens = sorted(copy)
+        left.plot(tokens, [copy[t] for t in tokens], color="gray", lw=1, label="copy, same bytes" if i == 0 else None)
+        for slots, style in (("contiguous", "-"), ("scattered", "--")):
+            rows = series.get(slots, {})
+            ts = sorted(rows)
+            label = f"{kv_format}, {slots}"
+            left.plot(ts, [rows[t] for t in ts], style, color=f"C{i}", marker="o", ms=3, label=label)
+            right.plot(ts, [rows[t] / copy[t] for t in ts], style, color=f"C{i}", marker="o", ms=3, label=label)
+    right.axhline(0.75, color="k", ls=":", lw=1, label="goal (75%)")
+    left.set_ylabel("GB/s (bytes read + written / time)")
+    right.set_ylabel("store / copy of the same bytes")
+    right.set_ylim(0, 1.0)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens stored (T)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Triton cache store vs copy, CUDA graphs, {title.split(chr(32) * 2)[0]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        if len(sys.argv) < 4:
+            raise SystemExit("usage: bench_store.py plot OUT.png LOG [LOG ...]")
+        plot(sys.argv[2], sys.argv[3:])
+        return
+    import triton
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 65536])
     parser.add_argument("--graph", action="store_true", help="CUDA-graph timing of the copy and the default kernel")
