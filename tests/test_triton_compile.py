@@ -1,16 +1,18 @@
-"""Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM90), on a machine without one.
+"""Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM89, SM90, SM120), on a machine
+without one, within the shared memory a program may take there.
 
 The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
 Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
 re-assigned ``constexpr``. Here each provider entry point runs on CPU tensors with its launches
 recorded instead of run (``kernels/triton_offline.py``). Each recorded launch gives the kernel's
 signature (tensor dtypes, int widths, Triton's specialisation of 1 and of multiples of 16) and its
-``constexpr`` values, and ``triton.compile`` builds it for an SM80 and an SM90 target, through PTX
-to a cubin, with the ``ptxas`` that Triton ships.
+``constexpr`` values, and ``triton.compile`` builds it for each target, through PTX to a cubin,
+with the ``ptxas`` that Triton ships.
 
 The launches take the choices a GPU of that capability gets: the launch geometries
-(``triton_attention``'s Hopper class or not), 3xTF32 indexer logits, and the fp8 / bf16
-conversion instructions from SM89 on (so SM80 compiles the integer-arithmetic conversions).
+(``triton_attention``'s Hopper class or not, the prefill's by shared memory per block), 3xTF32
+indexer logits, and the fp8 / bf16 conversion instructions from SM89 on (so SM80 compiles the
+integer-arithmetic conversions).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def calls():
         yield triton_rope.rope_, (torch.randn(shape, dtype=dtype), torch.randn(16, 64), torch.arange(shape[0]), inverse)
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (12, 0)], ids=["sm80", "sm89", "sm90", "sm120"])
 def test_every_kernel_compiles(capability, request):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
@@ -103,7 +105,9 @@ def test_every_kernel_compiles(capability, request):
     with triton_offline.recorded(capability) as launches:
         for entry, args in calls():
             entry(*args)
-    seen, compiled = set(), {}
+        prefill = triton_attention.prefill_config(torch.device("cuda"))  # the geometry this GPU gets
+    limit = triton_offline.SHARED_PER_BLOCK[capability]
+    seen, compiled, prefill_shared = set(), {}, 0
     for kernel, args, kwargs in launches:
         signature, constexprs, attrs, options = triton_offline.specialization(kernel, args, kwargs)
         key = (kernel.fn.__name__, repr((signature, constexprs, attrs, options)))
@@ -112,10 +116,16 @@ def test_every_kernel_compiles(capability, request):
         seen.add(key)
         binary = triton_offline.compile_launch(kernel, args, kwargs, capability[0] * 10 + capability[1])
         assert binary.asm["cubin"], kernel.fn.__name__
+        shared = binary.metadata.shared
+        assert shared <= limit, f"{kernel.fn.__name__} {constexprs}: {shared} B of shared memory, {limit} B per block"
+        if kernel.fn.__name__ == "_prefill_kernel":
+            prefill_shared = max(prefill_shared, shared)
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
                 "_schedule_kernel", "_logits_kernel", "_topk_kernel", "_topk_looped_kernel", "_rope_kernel"}
     assert set(compiled) == expected, compiled
+    # the figure prefill_config's rule reads (the launches above: 64 heads, 512- and 576-dim queries)
+    assert prefill_shared == prefill.shared_bytes, (prefill, prefill_shared)
     from helpers import report
 
     report(request.config, f"triton compile sm{capability[0]}{capability[1]}: "

@@ -85,13 +85,16 @@ MAX_SPLITS = 32
 class Config:
     """Launch geometry: heads and keys per program step, warps, software-pipeline stages
     (``extra_stages``: of the decode's extra-cache loop, None for ``num_stages``; see
-    :func:`decode_loop_stages`)."""
+    :func:`decode_loop_stages`). ``shared_bytes``: the most shared memory a program takes, as
+    Triton 3.6 compiles it for NVIDIA GPUs (the prefill's, over 512- and 576-dim queries;
+    ``tests/test_triton_compile.py`` checks it); None where no rule reads it."""
 
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
     extra_stages: int | None = None
+    shared_bytes: int | None = None
 
     def __post_init__(self):
         # 16-key blocks gave wrong decode results on the H200 (Triton 3.6, SM90) while 32 and up
@@ -109,9 +112,13 @@ DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_
 #: spill ~0.9 KB per thread on SM80 (ptxas).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 #: Prefill on SM90 / SM100: 64 keys per step (1.6x the 32-key geometry on the H200).
-PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2)
-#: Prefill elsewhere: 32 keys per step, no spills on SM80, within smaller shared memories.
-PREFILL_CONFIG_SMALL = Config(block_h=64, block_n=32, num_warps=8, num_stages=2)
+PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, shared_bytes=221_440)
+#: Prefill elsewhere: 32 keys per step, no spills on SM80 (163 KB of shared memory per program).
+PREFILL_CONFIG_SMALL = Config(block_h=64, block_n=32, num_warps=8, num_stages=2, shared_bytes=115_840)
+#: Prefill where a program may take less shared memory than :data:`PREFILL_CONFIG_SMALL` needs
+#: (NVIDIA SM86, SM89, SM120: 99 KB): 32 heads per program, no spills on SM80 / SM89 / SM120 (ptxas).
+#: With 64 heads each query's keys are gathered twice, once per head block.
+PREFILL_CONFIG_LOW_SHARED = Config(block_h=32, block_n=32, num_warps=8, num_stages=2, shared_bytes=76_416)
 #: The combine kernel's tile: heads x output columns per program (H200, 64 heads: 8 x 128 took
 #: 0.3-0.4 us less than 16 x 128 at T = 1 and 8, the same at T = 64; pipelining its loop over the
 #: splits did not help).
@@ -139,8 +146,15 @@ def decode_config(device: torch.device) -> Config:
 
 
 def prefill_config(device: torch.device) -> Config:
-    """The prefill launch geometry for ``device``."""
-    return PREFILL_CONFIG if _hopper_class(device) else PREFILL_CONFIG_SMALL
+    """The prefill launch geometry for ``device``: :data:`PREFILL_CONFIG` on SM90 / SM100; elsewhere
+    :data:`PREFILL_CONFIG_SMALL`, or :data:`PREFILL_CONFIG_LOW_SHARED` where a program may take less
+    shared memory than it needs (:func:`.triton_common.shared_memory_per_block`)."""
+    if _hopper_class(device):
+        return PREFILL_CONFIG
+    limit = triton_common.shared_memory_per_block(device)
+    if limit is not None and limit < PREFILL_CONFIG_SMALL.shared_bytes:
+        return PREFILL_CONFIG_LOW_SHARED
+    return PREFILL_CONFIG_SMALL
 
 
 def _block_h(config: Config, heads: int) -> int:

@@ -131,6 +131,21 @@ def _units(device_type: str, index: int | None) -> int:
     return 4
 
 
+def shared_memory_per_block(device: torch.device) -> int | None:
+    """The most shared memory one program may take on ``device``, in bytes (NVIDIA's opt-in limit
+    per block: 163 KB on SM80, 99 KB on SM86 / SM89 / SM120, 227 KB on SM90 / SM100); None where
+    it is not known: other devices, or a fake CUDA device while tracing on a machine without one."""
+    return _shared_memory(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_type: str, index: int | None) -> int | None:
+    if device_type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", None) or None
+
+
 def device_guard(device: torch.device):
     """Launch on ``device`` (CPU tensors: the interpreter, no guard; the current device: none)."""
     index = device.index

@@ -2,7 +2,7 @@
 
 :func:`recorded` makes the provider entry points record their launches (on CPU tensors) instead of
 running them, with the choices a GPU of a given compute capability gets: the launch geometries
-(:func:`.triton_attention._hopper_class`) and the conversion instructions
+(:func:`.triton_attention._hopper_class`, :data:`SHARED_PER_BLOCK`) and the conversion instructions
 (:func:`.triton_common.nvidia_compiled`). :func:`compile_launch` compiles one recorded launch as
 Triton specialises the real one (an int argument equal to 1 made a constant, 16-byte aligned
 pointers and ints divisible by 16 marked so), through PTX to a cubin with the ``ptxas`` Triton
@@ -25,6 +25,12 @@ POINTER_TYPES = {
 }
 #: launch keywords that are compile options, not kernel parameters
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+#: The most shared memory one program may take, by compute capability (bytes; CUDA's opt-in limit
+#: per block, as ``shared_memory_per_block_optin`` reports it)
+SHARED_PER_BLOCK = {
+    (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
+    (9, 0): 232_448, (10, 0): 232_448, (12, 0): 101_376,
+}
 
 
 @contextlib.contextmanager
@@ -33,6 +39,8 @@ def recorded(capability: tuple[int, int], units: int | None = None):
     the yielded list instead of running, as a GPU of ``capability`` makes them; with ``units``
     SMs if given (the decode's splits and loop stages and the indexer logits' grid depend on
     them; else 4)."""
+    if capability not in SHARED_PER_BLOCK:
+        raise ValueError(f"capability must be one of {sorted(SHARED_PER_BLOCK)} (SHARED_PER_BLOCK), got {capability}")
     launches = []
 
     class Recorder:  # stands in for triton_common.eager(kernel): [grid](*args, **kwargs) records
@@ -47,6 +55,7 @@ def recorded(capability: tuple[int, int], units: int | None = None):
         (triton_attention, "_eager", Recorder),  # bound to triton_common.eager at import
         (triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed),
         (triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10)),
+        (triton_common, "shared_memory_per_block", lambda device: SHARED_PER_BLOCK[capability]),
     ]
     if units is not None:
         patches.append((triton_common, "compute_units", lambda device: units))
