@@ -480,31 +480,35 @@ def test_prefill_matches_reference(device, name):
     assert not out[0].any() and torch.isneginf(max_logits[0]).all() and torch.isposinf(lse[0]).all()
 
 
-PREFILL_GEOMETRIES = {"small": ta.PREFILL_CONFIG_SMALL, "low-shared": ta.PREFILL_CONFIG_LOW_SHARED}
+PREFILL_GEOMETRIES = {
+    "sm100": ta.PREFILL_CONFIG_SM100, "small": ta.PREFILL_CONFIG_SMALL, "low-shared": ta.PREFILL_CONFIG_LOW_SHARED,
+}
 
 
 @pytest.mark.parametrize("config", list(PREFILL_GEOMETRIES))
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_geometries_off_sm90(device, config, monkeypatch):
-    """The geometries GPUs other than SM90 / SM100 get: 64 heads, and 40 heads with 576-dim queries
-    (at 32 heads per program, a second head block partly masked)."""
+    """The geometries GPUs other than SM90 get: 64 heads, and 40 heads with 576-dim queries (at 32
+    heads per program, a second head block partly masked)."""
     monkeypatch.setattr(ta, "prefill_config", lambda device: PREFILL_GEOMETRIES[config])
     check_prefill(prefill_case(device))
     check_prefill(prefill_case(device, heads=40, d_qk=576, lengths=False, sink="none"))
 
 
-def test_prefill_geometry_by_shared_memory(monkeypatch):
-    """SM90 / SM100 take the 64-key geometry; elsewhere the 32-key one unless a program may take
-    less shared memory than it needs (99 KB per block on SM86 / SM89 / SM120), or unknown."""
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(ta, "_hopper_class", lambda device: True)
-    assert ta.prefill_config(cuda) is ta.PREFILL_CONFIG
-    monkeypatch.setattr(ta, "_hopper_class", lambda device: False)
-    small, low = ta.PREFILL_CONFIG_SMALL, ta.PREFILL_CONFIG_LOW_SHARED
-    for limit, want in ((None, small), (166_912, small), (small.shared_bytes, small), (101_376, low)):
-        monkeypatch.setattr(triton_common, "shared_memory_per_block", lambda device: limit)
-        assert ta.prefill_config(cuda) is want, limit
-    assert low.shared_bytes <= 101_376
+@pytest.mark.parametrize("capability,limit,want", [
+    ((9, 0), 232_448, "PREFILL_CONFIG"), ((10, 0), 232_448, "PREFILL_CONFIG_SM100"),
+    ((8, 0), 166_912, "PREFILL_CONFIG_SMALL"), ((8, 9), 101_376, "PREFILL_CONFIG_LOW_SHARED"),
+    ((12, 0), 101_376, "PREFILL_CONFIG_LOW_SHARED"), (None, None, "PREFILL_CONFIG_SMALL"),
+], ids=["sm90", "sm100", "sm80", "sm89", "sm120", "unknown"])
+def test_prefill_geometry_rule(capability, limit, want, monkeypatch):
+    """SM90 takes two stages of 64 keys, SM100 one (its shared memory); other GPUs 32 keys, and
+    32 heads per program where a program may take less shared memory than that needs (99 KB per
+    block on SM86 / SM89 / SM120); unknown devices (ROCm, XPU) the 32-key geometry."""
+    monkeypatch.setattr(ta, "_nvidia_capability", lambda device: capability)
+    monkeypatch.setattr(triton_common, "shared_memory_per_block", lambda device: limit)
+    assert ta.prefill_config(torch.device("cuda")) is getattr(ta, want)
+    if limit is not None:
+        assert getattr(ta, want).shared_bytes <= limit
 
 
 @pytest.mark.parametrize("device", DEVICES)

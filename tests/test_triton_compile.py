@@ -1,5 +1,5 @@
-"""Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM89, SM90, SM120), on a machine
-without one, within the shared memory a program may take there.
+"""Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM89, SM90, SM100, SM120), on a
+machine without one, within the shared memory a program may take there.
 
 The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
 Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
@@ -96,7 +96,8 @@ def calls():
         yield triton_rope.rope_, (torch.randn(shape, dtype=dtype), torch.randn(16, 64), torch.arange(shape[0]), inverse)
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (12, 0)], ids=["sm80", "sm89", "sm90", "sm120"])
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)],
+                         ids=["sm80", "sm89", "sm90", "sm100", "sm120"])
 def test_every_kernel_compiles(capability, request):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")

@@ -55,6 +55,7 @@ def recorded(capability: tuple[int, int], units: int | None = None):
         (triton_attention, "_eager", Recorder),  # bound to triton_common.eager at import
         (triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed),
         (triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10)),
+        (triton_attention, "_nvidia_capability", lambda device: capability),
         (triton_common, "shared_memory_per_block", lambda device: SHARED_PER_BLOCK[capability]),
     ]
     if units is not None:
