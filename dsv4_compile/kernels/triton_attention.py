@@ -86,8 +86,8 @@ class Config:
     """Launch geometry: heads and keys per program step, warps, software-pipeline stages
     (``extra_stages``: of the decode's extra-cache loop, None for ``num_stages``; see
     :func:`decode_loop_stages`). ``shared_bytes``: the most shared memory a program takes, as
-    Triton 3.6 compiles it for NVIDIA GPUs (the prefill's, over 512- and 576-dim queries;
-    ``tests/test_triton_compile.py`` checks it); None where no rule reads it."""
+    Triton 3.6 compiles it for the NVIDIA GPUs that get the geometry (the prefill's, over 512- and
+    576-dim queries; ``tests/test_triton_compile.py`` checks it); None where not recorded."""
 
     block_h: int
     block_n: int
