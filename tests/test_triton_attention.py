@@ -495,20 +495,32 @@ def test_prefill_geometries_off_sm90(device, config, monkeypatch):
     check_prefill(prefill_case(device, heads=40, d_qk=576, lengths=False, sink="none"))
 
 
-@pytest.mark.parametrize("capability,limit,want", [
-    ((9, 0), 232_448, "PREFILL_CONFIG"), ((10, 0), 232_448, "PREFILL_CONFIG_SM100"),
-    ((8, 0), 166_912, "PREFILL_CONFIG_SMALL"), ((8, 9), 101_376, "PREFILL_CONFIG_LOW_SHARED"),
-    ((12, 0), 101_376, "PREFILL_CONFIG_LOW_SHARED"), (None, None, "PREFILL_CONFIG_SMALL"),
+@pytest.mark.parametrize("capability,limit,decode,prefill", [
+    ((9, 0), 232_448, "DECODE_CONFIG", "PREFILL_CONFIG"),
+    ((10, 0), 232_448, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SM100"),
+    ((8, 0), 166_912, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
+    ((8, 9), 101_376, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
+    ((12, 0), 101_376, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
+    (None, None, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
 ], ids=["sm90", "sm100", "sm80", "sm89", "sm120", "unknown"])
-def test_prefill_geometry_rule(capability, limit, want, monkeypatch):
-    """SM90 takes two stages of 64 keys, SM100 one (its shared memory); other GPUs 32 keys, and
-    32 heads per program where a program may take less shared memory than that needs (99 KB per
-    block on SM86 / SM89 / SM120); unknown devices (ROCm, XPU) the 32-key geometry."""
-    monkeypatch.setattr(ta, "_nvidia_capability", lambda device: capability)
+def test_geometry_rules(capability, limit, decode, prefill, monkeypatch):
+    """SM90 takes 64 heads per decode program and two stages of 64 keys per prefill step; SM100 32
+    decode heads (64 compile to a trap) and one prefill stage (shared memory); other GPUs 32
+    decode heads and 32 prefill keys, with 32 prefill heads per program where a program may take
+    less shared memory than that needs (99 KB per block on SM86 / SM89 / SM120); unknown devices
+    (ROCm, XPU) the 32-key geometries."""
+    monkeypatch.setattr(ta, "_geometry_capability", lambda device: capability)
     monkeypatch.setattr(triton_common, "shared_memory_per_block", lambda device: limit)
-    assert ta.prefill_config(torch.device("cuda")) is getattr(ta, want)
+    cuda = torch.device("cuda")
+    assert ta.decode_config(cuda) is getattr(ta, decode)
+    assert ta.prefill_config(cuda) is getattr(ta, prefill)
     if limit is not None:
-        assert getattr(ta, want).shared_bytes <= limit
+        assert getattr(ta, prefill).shared_bytes <= limit
+
+
+def test_interpreter_takes_sm90_geometries():
+    assert ta.decode_config(torch.device("cpu")) is ta.DECODE_CONFIG
+    assert ta.prefill_config(torch.device("cpu")) is ta.PREFILL_CONFIG
 
 
 @pytest.mark.parametrize("device", DEVICES)

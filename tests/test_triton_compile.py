@@ -1,5 +1,5 @@
 """Every Triton kernel of the package compiles for NVIDIA GPUs (SM80, SM89, SM90, SM100, SM120), on a
-machine without one, within the shared memory a program may take there.
+machine without one, to real code (not a bare trap) within the shared memory a program may take there.
 
 The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
 Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
@@ -10,7 +10,7 @@ signature (tensor dtypes, int widths, Triton's specialisation of 1 and of multip
 with the ``ptxas`` that Triton ships.
 
 The launches take the choices a GPU of that capability gets: the launch geometries
-(``triton_attention``'s Hopper class or not, the prefill's by shared memory per block), 3xTF32
+(``triton_attention``'s by capability, the prefill's also by shared memory per block), 3xTF32
 indexer logits, and the fp8 / bf16 conversion instructions from SM89 on (so SM80 compiles the
 integer-arithmetic conversions).
 """
@@ -117,6 +117,7 @@ def test_every_kernel_compiles(capability, request):
         seen.add(key)
         binary = triton_offline.compile_launch(kernel, args, kwargs, capability[0] * 10 + capability[1])
         assert binary.asm["cubin"], kernel.fn.__name__
+        assert "trap;" not in binary.asm["ptx"], f"{kernel.fn.__name__} {constexprs}: compiled to a trap"
         shared = binary.metadata.shared
         assert shared <= limit, f"{kernel.fn.__name__} {constexprs}: {shared} B of shared memory, {limit} B per block"
         if kernel.fn.__name__ == "_prefill_kernel":

@@ -103,13 +103,14 @@ class Config:
             raise ValueError(f"block_n must be a power of two >= 32, got {self.block_n}")
 
 
-#: Decode on NVIDIA SM90 / SM100 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
+#: Decode on NVIDIA SM90 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
 #: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8). The extra-cache loop
 #: is not pipelined: with two stages the decode took 1.10x the time at T = 64 and 1.07x at T = 256
 #: on the H200 (1.25x at T = 64 when the loop still hoisted and spilled).
 DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
-#: Decode elsewhere (mma.sync GPUs: SM80/86/89/120; AMD, Intel): 32 heads per program, as 64
-#: spill ~0.9 KB per thread on SM80 (ptxas).
+#: Decode elsewhere (SM80/86/89/100/120; AMD, Intel): 32 heads per program, as 64 spill ~0.9 KB
+#: per thread on SM80 (ptxas), and Triton 3.6 compiles SM100's 64-head decode programs to a bare
+#: trap (their LLVM IR is one ``llvm.trap``; 32-head programs compile; ``tests/test_triton_compile.py``).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 #: Prefill on SM90: 64 keys per step (1.6x the 32-key geometry on the H200).
 PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, shared_bytes=221_440)
@@ -136,24 +137,22 @@ MIN_SPLIT_KEYS = 64
 ORDER_MAX_ROWS = 4096
 
 
-def _nvidia_capability(device: torch.device) -> tuple[int, int] | None:
-    """``device``'s compute capability if it is an NVIDIA GPU (CUDA, not ROCm), else None."""
+def _geometry_capability(device: torch.device) -> tuple[int, int] | None:
+    """The NVIDIA compute capability whose launch geometries ``device`` takes: its own on an
+    NVIDIA GPU (CUDA, not ROCm), SM90's in the interpreter (CPU tensors), None elsewhere (ROCm,
+    XPU, a fake CUDA device while tracing on a machine without one)."""
+    if device.type == "cpu":
+        return (9, 0)
     if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)
 
 
-def _hopper_class(device: torch.device) -> bool:
-    """NVIDIA SM90 / SM100 (or the interpreter, which takes the same geometry)."""
-    if device.type == "cpu":  # the interpreter (tests)
-        return True
-    capability = _nvidia_capability(device)
-    return capability is not None and capability[0] in (9, 10)
-
-
 def decode_config(device: torch.device) -> Config:
-    """The decode launch geometry for ``device`` (``block_h`` is then capped by the head count)."""
-    return DECODE_CONFIG if _hopper_class(device) else DECODE_CONFIG_SMALL
+    """The decode launch geometry for ``device`` (``block_h`` is then capped by the head count):
+    :data:`DECODE_CONFIG` on SM90 (and in the interpreter), :data:`DECODE_CONFIG_SMALL` elsewhere."""
+    capability = _geometry_capability(device)
+    return DECODE_CONFIG if capability is not None and capability[0] == 9 else DECODE_CONFIG_SMALL
 
 
 def prefill_config(device: torch.device) -> Config:
@@ -161,9 +160,11 @@ def prefill_config(device: torch.device) -> Config:
     interpreter), :data:`PREFILL_CONFIG_SM100` on SM100; elsewhere :data:`PREFILL_CONFIG_SMALL`, or
     :data:`PREFILL_CONFIG_LOW_SHARED` where a program may take less shared memory than it needs
     (:func:`.triton_common.shared_memory_per_block`)."""
-    if _hopper_class(device):
-        capability = _nvidia_capability(device)
-        return PREFILL_CONFIG_SM100 if capability is not None and capability[0] == 10 else PREFILL_CONFIG
+    capability = _geometry_capability(device)
+    if capability is not None and capability[0] == 9:
+        return PREFILL_CONFIG
+    if capability is not None and capability[0] == 10:
+        return PREFILL_CONFIG_SM100
     limit = triton_common.shared_memory_per_block(device)
     if limit is not None and limit < PREFILL_CONFIG_SMALL.shared_bytes:
         return PREFILL_CONFIG_LOW_SHARED

@@ -2,8 +2,8 @@
 
 :func:`recorded` makes the provider entry points record their launches (on CPU tensors) instead of
 running them, with the choices a GPU of a given compute capability gets: the launch geometries
-(:func:`.triton_attention._hopper_class`, :data:`SHARED_PER_BLOCK`) and the conversion instructions
-(:func:`.triton_common.nvidia_compiled`). :func:`compile_launch` compiles one recorded launch as
+(:func:`.triton_attention._geometry_capability`, :data:`SHARED_PER_BLOCK`) and the conversion
+instructions (:func:`.triton_common.nvidia_compiled`). :func:`compile_launch` compiles one recorded launch as
 Triton specialises the real one (an int argument equal to 1 made a constant, 16-byte aligned
 pointers and ints divisible by 16 marked so), through PTX to a cubin with the ``ptxas`` Triton
 ships. Used by ``tests/test_triton_compile.py`` (every kernel compiles) and
@@ -54,8 +54,7 @@ def recorded(capability: tuple[int, int], units: int | None = None):
         (triton_common, "eager", Recorder),
         (triton_attention, "_eager", Recorder),  # bound to triton_common.eager at import
         (triton_common, "nvidia_compiled", lambda device, kernel, needed: capability >= needed),
-        (triton_attention, "_hopper_class", lambda device: capability[0] in (9, 10)),
-        (triton_attention, "_nvidia_capability", lambda device: capability),
+        (triton_attention, "_geometry_capability", lambda device: capability),
         (triton_common, "shared_memory_per_block", lambda device: SHARED_PER_BLOCK[capability]),
     ]
     if units is not None:
