@@ -118,6 +118,8 @@ def test_every_kernel_compiles(capability, request):
         binary = triton_offline.compile_launch(kernel, args, kwargs, capability[0] * 10 + capability[1])
         assert binary.asm["cubin"], kernel.fn.__name__
         assert "trap;" not in binary.asm["ptx"], f"{kernel.fn.__name__} {constexprs}: compiled to a trap"
+        columns = getattr(binary.metadata, "tmem_size", 0)  # SM100 tensor memory: 512 columns per SM
+        assert columns <= 512, f"{kernel.fn.__name__} {constexprs}: {columns} tensor-memory columns of 512"
         shared = binary.metadata.shared
         assert shared <= limit, f"{kernel.fn.__name__} {constexprs}: {shared} B of shared memory, {limit} B per block"
         if kernel.fn.__name__ == "_prefill_kernel":

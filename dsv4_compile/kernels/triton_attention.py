@@ -109,8 +109,8 @@ class Config:
 #: on the H200 (1.25x at T = 64 when the loop still hoisted and spilled).
 DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
 #: Decode elsewhere (SM80/86/89/100/120; AMD, Intel): 32 heads per program, as 64 spill ~0.9 KB
-#: per thread on SM80 (ptxas), and Triton 3.6 compiles SM100's 64-head decode programs to a bare
-#: trap (their LLVM IR is one ``llvm.trap``; 32-head programs compile; ``tests/test_triton_compile.py``).
+#: per thread on SM80 (ptxas), and on SM100 64-head programs take 544 tensor-memory columns of the
+#: SM's 512, which Triton 3.6 compiles to a bare trap (``tests/test_triton_compile.py``).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 #: Prefill on SM90: 64 keys per step (1.6x the 32-key geometry on the H200).
 PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, shared_bytes=221_440)
