@@ -518,6 +518,18 @@ def test_geometry_rules(capability, limit, decode, prefill, monkeypatch):
         assert getattr(ta, prefill).shared_bytes <= limit
 
 
+@compiled_triton
+def test_gpus_before_sm80_are_not_served(monkeypatch):
+    """On an SM75 GPU the attention provider is unavailable, naming the capability (the
+    dispatcher then falls back to the reference, with a warning)."""
+    monkeypatch.setattr(triton_common, "require_device", lambda *args: None)
+    monkeypatch.setattr(ta, "_geometry_capability", lambda device: (7, 5))
+    with pytest.raises(dispatch.ProviderUnavailable, match=r"capability 8\.0 or later, got 7\.5"):
+        ta.load(torch.device("cuda"))
+    monkeypatch.setattr(ta, "_geometry_capability", lambda device: (8, 0))
+    assert ta.load(torch.device("cuda"))[ta.DECODE] is ta.KERNELS[ta.DECODE]
+
+
 def test_interpreter_takes_sm90_geometries():
     assert ta.decode_config(torch.device("cpu")) is ta.DECODE_CONFIG
     assert ta.prefill_config(torch.device("cpu")) is ta.PREFILL_CONFIG

@@ -77,6 +77,9 @@ DECODE = "flash_mla_with_kvcache"
 PREFILL = "flash_mla_sparse_fwd"
 OPS = (DECODE, PREFILL)
 LOG2E = math.log2(math.e)
+#: The oldest NVIDIA GPUs the attention kernels serve: compiled for SM75, the decode and prefill
+#: programs take 102-139 KB of shared memory, against 64 KB per block there (and 96 KB on SM70).
+MIN_CAPABILITY = (8, 0)
 #: Most splits of one row's keys in decode (bounds the workspace and the combine loop).
 MAX_SPLITS = 32
 
@@ -817,8 +820,14 @@ NAME = "triton"
 def load(device: torch.device) -> dict:
     """Provider loader: ``{op: kernel}`` for decode, prefill and the (schedule-free) metadata, or
     :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
-    backend for the device type, no such device)."""
+    backend for the device type, no such device, an NVIDIA GPU before SM80)."""
     triton_common.require_device(_triton(), _decode_kernel, device, "attention")
+    capability = _geometry_capability(device)
+    if capability is not None and capability < MIN_CAPABILITY:
+        raise dispatch.ProviderUnavailable(
+            f"the Triton attention kernels need an NVIDIA GPU of compute capability "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later, got {capability[0]}.{capability[1]}"
+        )
     # the decode ignores metadata: the reference's zeros
     return {**KERNELS, **{op: reference.KERNELS[op] for op in dispatch.METADATA_OPS}}
 
