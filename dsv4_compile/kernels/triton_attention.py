@@ -141,14 +141,10 @@ ORDER_MAX_ROWS = 4096
 
 
 def _geometry_capability(device: torch.device) -> tuple[int, int] | None:
-    """The NVIDIA compute capability whose launch geometries ``device`` takes: its own on an
-    NVIDIA GPU (CUDA, not ROCm), SM90's in the interpreter (CPU tensors), None elsewhere (ROCm,
-    XPU, a fake CUDA device while tracing on a machine without one)."""
-    if device.type == "cpu":
-        return (9, 0)
-    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+    """The NVIDIA compute capability whose launch geometries ``device`` takes: SM90's in the
+    interpreter (CPU tensors), else :func:`.triton_common.nvidia_capability` (None: not an NVIDIA
+    GPU)."""
+    return (9, 0) if device.type == "cpu" else triton_common.nvidia_capability(device)
 
 
 def decode_config(device: torch.device) -> Config:

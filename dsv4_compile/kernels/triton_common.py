@@ -73,11 +73,18 @@ def nvidia_compiled(device: torch.device, kernel, capability: tuple[int, int]) -
     key = (device, capability)
     found = _NVIDIA.get(key)
     if found is None:
-        found = _NVIDIA[key] = (
-            device.type == "cuda" and torch.version.hip is None and not interpreting(kernel)
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= capability
-        )
+        own = None if interpreting(kernel) else nvidia_capability(device)
+        found = _NVIDIA[key] = own is not None and own >= capability
     return found
+
+
+def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability if it is an NVIDIA GPU (CUDA, not ROCm) that is present,
+    else None (other devices, or a fake CUDA device while tracing on a machine without one). Not
+    cached: its callers cache what they decide from it."""
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def hardware_conversions(device: torch.device, kernel) -> bool:
@@ -134,14 +141,14 @@ def _units(device_type: str, index: int | None) -> int:
 def shared_memory_per_block(device: torch.device) -> int | None:
     """The most shared memory one program may take on ``device``, in bytes (NVIDIA's opt-in limit
     per block: 163 KB on SM80, 99 KB on SM86 / SM89 / SM120, 227 KB on SM90 / SM100); None where
-    it is not known: other devices, or a fake CUDA device while tracing on a machine without one."""
-    return _shared_memory(device.type, device.index)
+    it is not known: where :func:`nvidia_capability` is None."""
+    if nvidia_capability(device) is None:
+        return None
+    return _shared_memory_optin(device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_memory(device_type: str, index: int | None) -> int | None:
-    if device_type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
-        return None
+def _shared_memory_optin(index: int | None) -> int | None:
     props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
     return getattr(props, "shared_memory_per_block_optin", None) or None
 
