@@ -151,7 +151,7 @@ def decode_config(device: torch.device) -> Config:
     """The decode launch geometry for ``device`` (``block_h`` is then capped by the head count):
     :data:`DECODE_CONFIG` on SM90 (and in the interpreter), :data:`DECODE_CONFIG_SMALL` elsewhere."""
     capability = _geometry_capability(device)
-    return DECODE_CONFIG if capability is not None and capability[0] == 9 else DECODE_CONFIG_SMALL
+    return DECODE_CONFIG if capability and capability[0] == 9 else DECODE_CONFIG_SMALL
 
 
 def prefill_config(device: torch.device) -> Config:
@@ -160,9 +160,10 @@ def prefill_config(device: torch.device) -> Config:
     :data:`PREFILL_CONFIG_LOW_SHARED` where a program may take less shared memory than it needs
     (:func:`.triton_common.shared_memory_per_block`)."""
     capability = _geometry_capability(device)
-    if capability is not None and capability[0] == 9:
+    major = capability[0] if capability else None
+    if major == 9:
         return PREFILL_CONFIG
-    if capability is not None and capability[0] == 10:
+    if major == 10:
         return PREFILL_CONFIG_SM100
     limit = triton_common.shared_memory_per_block(device)
     if limit is not None and limit < PREFILL_CONFIG_SMALL.shared_bytes:
