@@ -40,7 +40,6 @@ def traffic_per_token(kv_format: str = "v4") -> int:
     return 2 * layout.HEAD_DIM + 4 * layout.ROPE_DIM + 16 + layout.cache_format(kv_format).token_bytes
 
 
-BYTES_PER_TOKEN = traffic_per_token("v4")
 GEOMETRIES = [(1, 1), (2, 1), (2, 2), (4, 4), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8)]  # (tokens, warps) per program
 
 
