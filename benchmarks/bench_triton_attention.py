@@ -65,9 +65,11 @@ GRID_MIN_SPLIT_KEYS = (32, 64)
 GRID_ROWS = (1, 2, 4, 6, 8, 64, 256)
 #: ``--combine`` (decode at T = 1, 8, 64): the combine's tile, heads x columns.
 COMBINE_SWEEP = ((16, 128), (8, 128), (16, 64), (8, 64), (4, 128))
-PREFILL_SWEEP = [ta.Config(*c) for c in (
-    (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2),
-)]
+#: The prefill's: every geometry ``prefill_config`` gives some GPU (timed on one GPU, they show what
+#: each costs there, not the speed of the GPU that gets it), then others around the default.
+PREFILL_SWEEP = [ta.PREFILL_CONFIG, ta.PREFILL_CONFIG_SM100, ta.PREFILL_CONFIG_SMALL, ta.PREFILL_CONFIG_LOW_SHARED] + [
+    ta.Config(*c) for c in ((64, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2))
+]
 
 
 def roofline_us(nbytes: float, flops: float, copy: float, peak: float) -> float:
