@@ -113,7 +113,9 @@ class Config:
 DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
 #: Decode elsewhere (SM80/86/89/100/120; AMD, Intel): 32 heads per program, as 64 spill ~0.9 KB
 #: per thread on SM80 (ptxas), and on SM100 64-head programs take 544 tensor-memory columns of the
-#: SM's 512, which Triton 3.6 compiles to a bare trap (``tests/test_triton_compile.py``).
+#: SM's 512, which Triton 3.6 compiles to a bare trap (``tests/test_triton_compile.py``). Compiled
+#: for the H200 it takes 1.2x (T = 1) to 3.4x (T = 256) SM90's time: 32-row programs cannot use
+#: the warpgroup MMA there (benchmarks/RESULTS.md, eighteenth run).
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 #: Prefill on SM90: 64 keys per step (1.6x the 32-key geometry on the H200).
 PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, shared_bytes=221_440)
@@ -121,11 +123,13 @@ PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, share
 #: geometry needs 345 KB (227 KB per block there). One stage of 64 keys fits; on the H200 it took
 #: 1.16x the two-stage time and beat 32-key steps. Not timed on an SM100 GPU.
 PREFILL_CONFIG_SM100 = Config(block_h=64, block_n=64, num_warps=8, num_stages=1, shared_bytes=147_464)
-#: Prefill on other GPUs: 32 keys per step, no spills on SM80 (163 KB of shared memory per program).
+#: Prefill on other GPUs: 32 keys per step, no spills on SM80 (163 KB of shared memory per program);
+#: 1.57x SM90's time on the H200.
 PREFILL_CONFIG_SMALL = Config(block_h=64, block_n=32, num_warps=8, num_stages=2, shared_bytes=115_840)
 #: Prefill where a program may take less shared memory than :data:`PREFILL_CONFIG_SMALL` needs
 #: (NVIDIA SM86, SM89, SM120: 99 KB): 32 heads per program, no spills on SM80 / SM89 / SM120 (ptxas).
-#: With 64 heads each query's keys are gathered twice, once per head block.
+#: With 64 heads each query's keys are gathered twice, once per head block (2.96x SM90's time
+#: on the H200, where 32-row programs cannot use the warpgroup MMA).
 PREFILL_CONFIG_LOW_SHARED = Config(block_h=32, block_n=32, num_warps=8, num_stages=2, shared_bytes=76_416)
 #: The combine kernel's tile: heads x output columns per program (H200, 64 heads: 8 x 128 took
 #: 0.3-0.4 us less than 16 x 128 at T = 1 and 8, the same at T = 64; pipelining its loop over the
