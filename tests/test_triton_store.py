@@ -405,36 +405,66 @@ def test_rounding_helpers_are_exact(device, hardware):
     assert torch.equal(exponent[normal], reference.ue8m0_exponent(x.abs())[normal].int())
 
 
-@triton.jit
-def _apply_e2m1(x_ptr, s_ptr, code_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + i, mask=i < n)
-    s = tl.load(s_ptr + i, mask=i < n, other=1.0)
-    tl.store(code_ptr + i, triton_store._e2m1_of_quotient(x, s), mask=i < n)
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp4_codes_without_division_are_the_quotients(device):
-    """The FP4 store's codes (thresholds times the scale, no division) equal
-    ``reference.e2m1_codes(x / s)`` with the IEEE-rounded quotient, for every e4m3 scale the store
-    writes (2^-9 .. 448): at each threshold times the scale, one fp32 ulp either side, and values
-    spread over the whole range of codes; signed zeros too."""
+@pytest.mark.parametrize("kv_format", V41)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
+def test_plain_store_of_float_kv_is_exact(device, dtype, kv_format):
+    """The plain V4.1 store of float16 / float32 ``kv`` (values that are not bf16: the FP4 codes
+    take the compares of any fp32 value, not the bf16 pairs') equals the reference byte for byte."""
+    page_size = 5
+    kv, _, _, _, slots, _, _, _ = make_case("cpu", 64, page_size, dtype=dtype)
+    cache = torch.randint(0, 256, (30, layout.page_bytes(page_size, kv_format)), dtype=torch.uint8)
+    expected = cache.clone()
+    reference.quantize_store(kv, slots, expected, page_size, kv_format)
+    cache = cache.to(device)
+    triton_store.quantize_store(kv.to(device), slots.to(device), cache, page_size, kv_format)
+    assert torch.equal(cache.cpu(), expected)
+
+
+@triton.jit
+def _apply_e2m1(x_ptr, s_ptr, byte_ptr, WIDTH: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.load(x_ptr + row * WIDTH + tl.arange(0, WIDTH))
+    s = tl.load(s_ptr + row * (WIDTH // 16) + tl.arange(0, WIDTH // 16))
+    b = triton_store._e2m1_bytes(tl.reshape(x, (1, WIDTH)), tl.reshape(s, (1, WIDTH // 16)), WIDTH, 1, BF16)
+    tl.store(byte_ptr + row * (WIDTH // 2) + tl.arange(0, WIDTH // 2), tl.reshape(b, (WIDTH // 2,)))
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_codes_without_division_are_the_quotients(device, bf16):
+    """The FP4 store's code bytes (thresholds times the scale, two values a compare, no division)
+    equal ``reference.e2m1_codes(x / s)`` with the IEEE-rounded quotient, the even value's code in
+    the low nibble, for every e4m3 scale the store writes (2^-9 .. 448) and values ``x``: bf16 ones
+    (``bf16``: the fused store's, and a bf16 ``kv``'s) or any fp32 ones (a plain store of float16 /
+    float32 ``kv``). At each threshold times the scale, one ulp either side (bf16 or fp32), values
+    spread over the whole range of codes and past it, in either place of a pair; signed zeros too."""
     triton_store._triton()
     scales = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     scales = scales[scales >= layout.FP4_SCALE_MIN]
     magnitudes = torch.tensor(layout.E2M1_VALUES)
     thresholds = (magnitudes[1:] + magnitudes[:-1]) / 2  # where the code changes: 0.25, 0.75, ... 5
-    at = thresholds[:, None] * scales  # exact products
-    inf = torch.tensor(float("inf"))
-    x = torch.cat([at, at.nextafter(inf), at.nextafter(-inf), torch.rand(16, scales.numel()) * 7 * scales])
-    s = scales.expand_as(x)
-    x = torch.cat([x, -x, torch.zeros_like(x), -torch.zeros_like(x)]).flatten()
-    s = torch.cat([s] * 4).flatten().contiguous()
-    want = reference.e2m1_codes(x / s).int()
-    code = torch.empty(x.shape, dtype=torch.int32, device=device)
-    _apply_e2m1[(triton.cdiv(x.numel(), 1024),)](x.to(device), s.to(device), code, x.numel(), BLOCK=1024)
-    assert torch.equal(code.cpu(), want)
-    assert set(want.unique().tolist()) == set(range(16))  # every code met
+    at = thresholds[:, None] * scales  # exact products, bf16 values too
+    assert torch.equal(at.to(torch.bfloat16).float(), at)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    bits = at.to(dtype).view(torch.int16 if bf16 else torch.int32)
+    near = torch.cat([at, (bits + 1).view(dtype).float(), (bits - 1).view(dtype).float()])
+    spread = (torch.rand(27, scales.numel()) * 8 * scales).to(dtype).float()
+    x = torch.cat([near, spread, -near, -spread])  # [96, scales]: 6 groups of 16 a scale
+    x[0, :2] = torch.tensor([0.0, -0.0])
+    groups = x.t().reshape(-1, 16)  # each group one scale
+    s = scales.repeat_interleave(x.shape[0] // 16)
+    codes = reference.e2m1_codes(groups / s[:, None]).int()
+    swapped = groups.view(-1, 8, 2).flip(-1).reshape(-1, 16)  # every value in the other place too
+    codes_swapped = reference.e2m1_codes(swapped / s[:, None]).int()
+    x_all = torch.cat([groups, swapped]).reshape(-1, 64)  # rows of 4 groups
+    s_all = torch.cat([s, s]).reshape(-1, 4)
+    codes = torch.cat([codes, codes_swapped]).reshape(-1, 32, 2)
+    want = codes[..., 0] | (codes[..., 1] << 4)
+    got = torch.empty(want.shape, dtype=torch.int32, device=device)
+    _apply_e2m1[(x_all.shape[0],)](x_all.to(device).contiguous(), s_all.to(device).contiguous(), got, WIDTH=64, BF16=bf16)
+    assert torch.equal(got.cpu(), want)
+    assert set(codes.unique().tolist()) == set(range(16))  # every code met
 
 
 def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypatch):

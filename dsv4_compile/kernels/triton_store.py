@@ -269,48 +269,82 @@ def _v41_fp8(values, finite, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.
     return _nan_or_fp8(tl.reshape(groups * inv[:, :, None], (BLOCK_T, WIDTH)), finite, False, HW), e + _BIAS
 
 
-def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr):
-    """V4.1 FP4 of ``values [BT, WIDTH]``: per group of 16, scale ``s = e4m3(clamp(amax / 6, 2^-9,
-    448))`` (RNE); codes e2m1 of ``x / s`` (IEEE division; ties to even, saturating at 6, the sign
-    bit kept). Returns ``(codes [BT, WIDTH] 0..15, scale bytes [BT, WIDTH // 16])`` (int32)."""
+def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr):
+    """V4.1 FP4 of ``values [BT, WIDTH]`` (fp32; ``BF16``: all bf16 values): per group of 16, scale
+    ``s = e4m3(clamp(amax / 6, 2^-9, 448))`` (RNE), codes e2m1 of ``x / s`` (:func:`_e2m1_bytes`).
+    Returns ``(data bytes [BT, WIDTH // 2], scale bytes [BT, WIDTH // 16])`` (int32)."""
     groups = tl.reshape(values, (BLOCK_T, WIDTH // 16, 16))
     amax = tl.max(tl.abs(groups), axis=2)
     scale_code = _e4m3fn_saturated(tl.maximum(tl.div_rn(amax, _FP4_MAX), _FP4_SCALE_MIN), HW)
-    code = _e2m1_of_quotient(groups, _e4m3_value(scale_code)[:, :, None])
-    return tl.reshape(code, (BLOCK_T, WIDTH)), scale_code
+    return _e2m1_bytes(values, _e4m3_value(scale_code), WIDTH, BLOCK_T, BF16), scale_code
 
 
-def _e2m1_of_quotient(x, s):
-    """The e2m1 codes (int32 0..15) of ``x / s`` rounded to fp32 (IEEE), as
-    :func:`~dsv4_compile.kernels.reference.e2m1_codes` reads them, for finite fp32 ``x`` and
-    e4m3 values ``s`` in [2^-9, 448], without dividing: each rounding threshold ``t`` of the code
-    (0.25, 0.75, ... 5) compared with ``|x|`` as ``t * s``. That product is exact (3 and 4
-    significant bits), and the compare is the quotient's: an ``|x|`` one ulp past ``t * s`` puts
-    the exact quotient more than half an ulp of ``t`` past ``t`` (``s``'s significand is < 2), so
-    ``x / s`` rounds past ``t`` too, and ``|x| = t * s`` gives ``t`` exactly. The sign bit is
-    ``x``'s (``s > 0``). (An IEEE division per value was 27% of the FP4 store's instructions.)"""
-    bits = x.to(tl.int32, bitcast=True)
-    a = bits & 0x7FFFFFFF  # |x|'s bits: ordered as the values
-    code = (_above(a, 0.25 * s, 0) + _above(a, 0.75 * s, 1) + _above(a, 1.25 * s, 0) + _above(a, 1.75 * s, 1)
-            + _above(a, 2.5 * s, 0) + _above(a, 3.5 * s, 1) + _above(a, 5.0 * s, 0))
-    return code | ((bits >> 28) & 8)
+def _e2m1_bytes(values, s, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.constexpr):
+    """The e2m1 codes of ``x / s`` rounded to fp32 (IEEE; ties to even, saturating at 6, the sign
+    bit kept), as :func:`~dsv4_compile.kernels.reference.e2m1_codes` reads them, for the finite fp32
+    values ``x`` of ``values [BT, WIDTH]`` (``BF16``: all bf16 values, as the store's are but for a
+    plain store of float16 / float32 ``kv``) and their groups' e4m3 scales ``s [BT, WIDTH // 16]``
+    in [2^-9, 448], without dividing; two codes a byte (int32 0..255), the even-indexed value's in
+    the low nibble.
+
+    A magnitude's code is the number of rounding thresholds ``t`` (0.25, 0.75, 1.25, 1.75, 2.5, 3.5,
+    5) it passes (at 0.75, 1.75 and 3.5 a tie rounds up, to the even code), compared as ``t * s``.
+    That product is exact, in bf16 too (3 and 4 significant bits), and the compare is the
+    quotient's: an ``|x|`` past ``t * s`` is at least an ulp past, which puts the exact quotient more
+    than half an fp32 ulp of ``t`` past ``t`` (``s``'s significand is < 2), so ``x / s`` rounds past
+    ``t`` too, and ``|x| = t * s`` gives ``t`` exactly.
+
+    Two values' bf16 bits share an int32 and each compare takes both: lane bit 15 of ``(t | 0x8000)
+    - |x|`` is set where ``|x|`` is not past ``t`` (no borrow crosses the lanes). A value that is not
+    bf16 is compared as the bf16 value below it where a tie passes (``|x| >= t`` holds just when it
+    does for that one: ``t`` is bf16) and as the one above it where it does not (``|x| > t``). The seven flags
+    are a thermometer code, so the count's bits are XORs of them (bit 0 all seven, bit 1 those of
+    0.75, 1.75 and 3.5, bit 2 that of 1.75), taken at bit 15 without moving each flag. (An IEEE
+    division per value was 27% of the FP4 store's instructions; counting the seven compares value
+    by value, the store issued 931 warp-instructions per token on SM90 at 128 registers per thread,
+    against 853 at 72 here: ``benchmarks/store_instructions.py --sass``.)"""
+    even, odd = tl.split(tl.reshape(values, (BLOCK_T, WIDTH // 2, 2)))
+    even = even.to(tl.uint32, bitcast=True)
+    odd = odd.to(tl.uint32, bitcast=True)
+    packed = (even >> 16) | (odd & 0xFFFF0000)
+    down = packed & 0x7FFF7FFF  # both magnitudes' bf16 bits (rounded down), ordered as the values
+    up = down
+    if not BF16:  # the bf16 value above where lower bits are set (a lane's 0x7FFF + 1 only for NaN)
+        up = down + ((even & 0xFFFF) != 0).to(tl.uint32) + (((odd & 0xFFFF) != 0).to(tl.uint32) << 16)
+    d0 = _flags(up, s, 0.25, 0, WIDTH, BLOCK_T)
+    d1 = _flags(down, s, 0.75, 1, WIDTH, BLOCK_T)
+    d2 = _flags(up, s, 1.25, 0, WIDTH, BLOCK_T)
+    d3 = _flags(down, s, 1.75, 1, WIDTH, BLOCK_T)
+    d4 = _flags(up, s, 2.5, 0, WIDTH, BLOCK_T)
+    d5 = _flags(down, s, 3.5, 1, WIDTH, BLOCK_T)
+    d6 = _flags(up, s, 5.0, 0, WIDTH, BLOCK_T)
+    ones = 0xFFFFFFFF  # the flags mark thresholds not passed: their bits are negated
+    bit0 = d0 ^ d1 ^ d2 ^ d3 ^ d4 ^ d5 ^ d6 ^ ones
+    bit1 = d1 ^ d3 ^ d5 ^ ones
+    bit2 = d3 ^ ones
+    nibbles = ((packed & 0x80008000) | ((bit2 >> 1) & 0x40004000) | ((bit1 >> 2) & 0x20002000)
+               | ((bit0 >> 3) & 0x10001000)) >> 12  # each lane's sign and count at its bits 0..3
+    return ((nibbles & 0xF) | ((nibbles >> 12) & 0xF0)).to(tl.int32, bitcast=True)
 
 
-def _above(a, c, AT: tl.constexpr):
-    """1 where the bits ``a`` of a non-negative finite fp32 value are past (``AT``: at or past)
-    those of the positive fp32 ``c``, else 0 (int32): the sign bit of the difference."""
-    return ((c.to(tl.int32, bitcast=True) - AT - a).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
+def _flags(a, s, T: tl.constexpr, AT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per 16-bit lane of ``a [BT, WIDTH // 2]`` (pairs of non-negative bf16 values' bits), bit 15
+    set where the value is not past (``AT``: not at or past) ``T`` times its group's scale
+    ``s [BT, WIDTH // 16]`` (uint32; the lanes' other bits are not meaningful)."""
+    t = ((T * s).to(tl.uint32, bitcast=True) >> 16) - AT  # T * s is a bf16 value: its bits
+    t = ((t << 16) | t) | 0x80008000
+    t, _ = tl.split(tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_T, WIDTH // 16, 16)), (BLOCK_T, WIDTH // 2, 2)))
+    return t - a
 
 
 def _v41_bytes(values, finite, FP4: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-               HW: tl.constexpr):
+               HW: tl.constexpr, BF16: tl.constexpr):
     """``values [BT, WIDTH]`` as V4.1 data bytes (``[BT, WIDTH]`` FP8, ``[BT, WIDTH // 2]`` FP4:
     the even-indexed value in the low nibble) and scale bytes, uint8; a token that is not
     ``finite`` gets the NaN token's bytes (FP8: codes 0x7F, scales 0xFF; FP4: codes 0, scales 0x7F)."""
     if FP4:
-        codes, scales = _v41_fp4(values, WIDTH, BLOCK_T, HW)
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, WIDTH // 2, 2)))
-        data = tl.where(finite[:, None], lo | (hi << 4), 0x00).to(tl.uint8)
+        data, scales = _v41_fp4(values, WIDTH, BLOCK_T, HW, BF16)
+        data = tl.where(finite[:, None], data, 0x00).to(tl.uint8)
         scales = tl.where(finite[:, None], scales, 0x7F)
     else:
         data, scales = _v41_fp8(values, finite, WIDTH, BLOCK_T, HW)
@@ -323,13 +357,14 @@ def _store_v41_kernel(
     num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
     positions_stride, out_loc_stride, page_stride, eps,
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, FP4: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HW: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr,
 ):
     """V4.1 (528-byte FP8 or 288-byte ``FP4`` tokens, block-split or ``INTERLEAVED`` pages):
     ``FUSED``: norm, bf16, RoPE on dims 448..511, bf16, then all 512 dims quantized; else the
     plain quantize-and-store. Dims 0..447 and 448..511 are whole scale groups (448 = 14 x 32 =
     28 x 16), so they are quantized as two tiles: ``[BT, 512]`` (stored up to 448 when fused) and
-    the RoPE dims ``[BT, 64]``."""
+    the RoPE dims ``[BT, 64]``. ``BF16``: every value quantized is bf16 (fused, or a bf16 ``kv``),
+    which the FP4 codes' compares take two at a time (:func:`_e2m1_bytes`)."""
     DATA: tl.constexpr = _HEAD_DIM // 2 if FP4 else _HEAD_DIM  # bytes per token
     SCALES: tl.constexpr = _HEAD_DIM // 16 if FP4 else _HEAD_DIM // 32
     NOPE_DATA: tl.constexpr = _NOPE_DIM // 2 if FP4 else _NOPE_DIM
@@ -360,7 +395,7 @@ def _store_v41_kernel(
         y = x
         finite = _all_finite(y, _HEAD_DIM)
 
-    data, scales = _v41_bytes(y, finite, FP4, _HEAD_DIM, BLOCK_T, HW)
+    data, scales = _v41_bytes(y, finite, FP4, _HEAD_DIM, BLOCK_T, HW, BF16)
     b = tl.arange(0, DATA)
     g = tl.arange(0, SCALES)
     data_end = NOPE_DATA if FUSED else DATA
@@ -368,7 +403,7 @@ def _store_v41_kernel(
     tl.store(data_ptr[:, None] + b[None, :], data, mask=live[:, None] & (b[None, :] < data_end))
     tl.store(scale_ptr[:, None] + g[None, :], scales, mask=live[:, None] & (g[None, :] < scales_end))
     if FUSED:  # the RoPE dims' own groups
-        rope_data, rope_scales = _v41_bytes(rope, finite, FP4, _ROPE_DIM, BLOCK_T, HW)
+        rope_data, rope_scales = _v41_bytes(rope, finite, FP4, _ROPE_DIM, BLOCK_T, HW, BF16)
         rb = tl.arange(0, DATA - NOPE_DATA)
         rg = tl.arange(0, SCALES - NOPE_SCALES)
         tl.store(data_ptr[:, None] + NOPE_DATA + rb[None, :], rope_data, mask=live[:, None])
@@ -377,7 +412,7 @@ def _store_v41_kernel(
 
 _JITTED = (
     "_e4m3fn_bits", "_e4m3fn_saturated", "_bf16_bits", "_ue8m0_exponent", "_nan_or_fp8", "_round_bf16", "_normed", "_rope_dims",
-    "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_e2m1_of_quotient", "_above",
+    "_max_nan", "_all_finite", "_store_kernel", "_e4m3_value", "_v41_fp8", "_v41_fp4", "_e2m1_bytes", "_flags",
     "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
@@ -395,7 +430,10 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     if fmt.is_v4:
         kernel, formats = _store_kernel, {}
     else:
-        kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
+        # BF16: every value quantized is bf16 (fused: rounded to bf16 before it is quantized)
+        kernel, formats = _store_v41_kernel, dict(
+            FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved, BF16=fused or kv.dtype == torch.bfloat16,
+        )
     freqs_stride = freqs.stride()  # whole stride tuples: cheaper on the eager path than stride(i)
     block_t, warps = geometry(fmt, num_tokens)
     kernels(kernel)[(-(-num_tokens // block_t),)](
