@@ -46,7 +46,8 @@ PLAIN = "quantize_store"
 NAME = "triton"
 #: Launch geometry by the values format: ``(tokens per program`` (a power of two), ``warps per
 #: program)``, the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens;
-#: FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped dividing, ninth run).
+#: FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped dividing, ninth run, and stayed
+#: the fastest with the paired compares, 0.94x the next at 65536 tokens, eighteenth run).
 GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
 #: Up to this many tokens (a decode step's stores, a short prefill) every format stores one token
 #: per one-warp program instead: the device has SMs to spare, and a program that handles one token
