@@ -462,7 +462,8 @@ def test_fp4_codes_without_division_are_the_quotients(device, bf16):
     codes = torch.cat([codes, codes_swapped]).reshape(-1, 32, 2)
     want = codes[..., 0] | (codes[..., 1] << 4)
     got = torch.empty(want.shape, dtype=torch.int32, device=device)
-    _apply_e2m1[(x_all.shape[0],)](x_all.to(device).contiguous(), s_all.to(device).contiguous(), got, WIDTH=64, BF16=bf16)
+    x_all, s_all = x_all.to(device).contiguous(), s_all.to(device).contiguous()
+    _apply_e2m1[(x_all.shape[0],)](x_all, s_all, got, WIDTH=64, BF16=bf16)
     assert torch.equal(got.cpu(), want)
     assert set(codes.unique().tolist()) == set(range(16))  # every code met
 
