@@ -64,7 +64,7 @@ def compiled_store(kv_format: str, block_t: int, num_warps: int, hardware: bool,
         kernel = triton_store._store_kernel
     else:
         kernel = triton_store._store_v41_kernel
-        constexprs.update(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved, BF16=True)  # fused: bf16 values
+        constexprs.update(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
     types = {**ARGUMENTS, **{name: "constexpr" for name in constexprs}}
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {name: types[name] for name in names}

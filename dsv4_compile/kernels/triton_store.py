@@ -359,14 +359,15 @@ def _store_v41_kernel(
     num_tokens, kv_stride, weight_stride, freqs_stride0, freqs_stride1,
     positions_stride, out_loc_stride, page_stride, eps,
     PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FUSED: tl.constexpr, FP4: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HW: tl.constexpr,
 ):
     """V4.1 (528-byte FP8 or 288-byte ``FP4`` tokens, block-split or ``INTERLEAVED`` pages):
     ``FUSED``: norm, bf16, RoPE on dims 448..511, bf16, then all 512 dims quantized; else the
     plain quantize-and-store. Dims 0..447 and 448..511 are whole scale groups (448 = 14 x 32 =
     28 x 16), so they are quantized as two tiles: ``[BT, 512]`` (stored up to 448 when fused) and
-    the RoPE dims ``[BT, 64]``. ``BF16``: every value quantized is bf16 (fused, or a bf16 ``kv``),
-    which the FP4 codes' compares take two at a time (:func:`_e2m1_bytes`)."""
+    the RoPE dims ``[BT, 64]``. Where every value quantized is bf16 (fused, or a bf16 ``kv``) the
+    FP4 codes' compares take two at a time (:func:`_e2m1_bytes`)."""
+    BF16: tl.constexpr = FUSED or kv_ptr.dtype.element_ty == tl.bfloat16
     DATA: tl.constexpr = _HEAD_DIM // 2 if FP4 else _HEAD_DIM  # bytes per token
     SCALES: tl.constexpr = _HEAD_DIM // 16 if FP4 else _HEAD_DIM // 32
     NOPE_DATA: tl.constexpr = _NOPE_DIM // 2 if FP4 else _NOPE_DIM
@@ -432,10 +433,7 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     if fmt.is_v4:
         kernel, formats = _store_kernel, {}
     else:
-        # BF16: every value quantized is bf16 (fused: rounded to bf16 before it is quantized)
-        kernel, formats = _store_v41_kernel, dict(
-            FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved, BF16=fused or kv.dtype == torch.bfloat16,
-        )
+        kernel, formats = _store_v41_kernel, dict(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
     freqs_stride = freqs.stride()  # whole stride tuples: cheaper on the eager path than stride(i)
     block_t, warps = geometry(fmt, num_tokens)
     kernels(kernel)[(-(-num_tokens // block_t),)](
