@@ -37,7 +37,7 @@ if INTERPRETED:
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
-from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
+from dsv4_compile.kernels import reference, triton_attention as ta, triton_common, triton_offline  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_BYTES,
@@ -495,20 +495,21 @@ def test_prefill_geometries_off_sm90(device, config, monkeypatch):
     check_prefill(prefill_case(device, heads=40, d_qk=576, lengths=False, sink="none"))
 
 
-@pytest.mark.parametrize("capability,limit,decode,prefill", [
-    ((9, 0), 232_448, "DECODE_CONFIG", "PREFILL_CONFIG"),
-    ((10, 0), 232_448, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SM100"),
-    ((8, 0), 166_912, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
-    ((8, 9), 101_376, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
-    ((12, 0), 101_376, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
-    (None, None, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
+@pytest.mark.parametrize("capability,decode,prefill", [
+    ((9, 0), "DECODE_CONFIG", "PREFILL_CONFIG"),
+    ((10, 0), "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SM100"),
+    ((8, 0), "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
+    ((8, 9), "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
+    ((12, 0), "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_LOW_SHARED"),
+    (None, "DECODE_CONFIG_SMALL", "PREFILL_CONFIG_SMALL"),
 ], ids=["sm90", "sm100", "sm80", "sm89", "sm120", "unknown"])
-def test_geometry_rules(capability, limit, decode, prefill, monkeypatch):
+def test_geometry_rules(capability, decode, prefill, monkeypatch):
     """SM90 takes 64 heads per decode program and two stages of 64 keys per prefill step; SM100 32
     decode heads (64 compile to a trap) and one prefill stage (shared memory); other GPUs 32
     decode heads and 32 prefill keys, with 32 prefill heads per program where a program may take
     less shared memory than that needs (99 KB per block on SM86 / SM89 / SM120); unknown devices
     (ROCm, XPU) the 32-key geometries."""
+    limit = triton_offline.SHARED_PER_BLOCK.get(capability)  # the limit CUDA reports per block
     monkeypatch.setattr(ta, "_geometry_capability", lambda device: capability)
     monkeypatch.setattr(triton_common, "shared_memory_per_block", lambda device: limit)
     cuda = torch.device("cuda")
