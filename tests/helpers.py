@@ -13,11 +13,6 @@ import dsv4_compile as d4
 from dsv4_compile import layout
 
 
-def bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 values at magnitude ``x`` (> 0)."""
-    return torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(x))
-
-
 def rope_table(max_pos: int, theta: float = 10000.0) -> torch.Tensor:
     """A real interleaved ``[max_pos, 64]`` (cos, sin) table."""
     inv = theta ** (-torch.arange(0, layout.ROPE_DIM, 2, dtype=torch.float64) / layout.ROPE_DIM)
