@@ -48,7 +48,7 @@ from common import DEV, decode_inputs
 SCALE = layout.HEAD_DIM**-0.5
 FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
 #: Launch geometries timed by ``--sweep`` (block_h, block_n, num_warps, num_stages[, extra_stages]),
-#: around the defaults (``kernel_sass.py decode`` counts each one's instructions and stack bytes);
+#: around the defaults (``scripts/kernel_sass.py decode`` counts each one's instructions and stack bytes);
 #: ``decode_loop_stages`` takes one stage wherever a split holds one key block, whatever the
 #: geometry says.
 DECODE_SWEEP = [ta.Config(*c) for c in (

@@ -7,7 +7,7 @@ instructions (:func:`.triton_common.nvidia_compiled`). :func:`compile_launch` co
 recorded launch as Triton specialises the real one (an int argument equal to 1 made a constant,
 16-byte aligned pointers and ints divisible by 16 marked so), through PTX to a cubin with the
 ``ptxas`` Triton ships. Used by ``tests/test_triton_compile.py`` (every kernel compiles) and
-``benchmarks/kernel_sass.py`` (where a kernel's machine code spends its instructions).
+``scripts/kernel_sass.py`` (where a kernel's machine code spends its instructions).
 """
 
 from __future__ import annotations

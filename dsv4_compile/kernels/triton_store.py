@@ -303,7 +303,7 @@ def _e2m1_bytes(values, s, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.
     (bit 0 all seven, bit 1 those of 0.75, 1.75 and 3.5, bit 2 that of 1.75), taken at bit 15
     without moving each flag. (An IEEE division per value was 27% of the FP4 store's instructions;
     counting the seven compares value by value, the store issued 931 warp-instructions per token on
-    SM90 at 128 registers per thread, against 853 at 72 here: ``benchmarks/store_instructions.py
+    SM90 at 128 registers per thread, against 853 at 72 here: ``scripts/store_instructions.py
     --sass``; on the H200, 65536 tokens in 74.4 then 68.4 us.)"""
     even, odd = tl.split(tl.reshape(values, (BLOCK_T, WIDTH // 2, 2)))
     even = even.to(tl.uint32, bitcast=True)

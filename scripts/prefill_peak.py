@@ -6,7 +6,7 @@ at the peak it records the model's source lines on the stack and the largest liv
 the op, shape and lines that made them. Tensors an op allocates and frees inside itself (a
 kernel's workspace) are not seen. On CUDA, ``bench_step.py`` measures the allocator's peak.
 
-    python benchmarks/prefill_peak.py [--tokens 1024] [--device cpu]
+    python scripts/prefill_peak.py [--tokens 1024] [--device cpu]
 
 The model is ``bench_step.py``'s DSV4-Flash-sized slice (4 layers, hidden 4096, 64 heads), one
 prefill step of ``--tokens`` tokens in 4 prompts.
@@ -15,8 +15,10 @@ prefill step of ``--tokens`` tokens in 4 prompts.
 from __future__ import annotations
 
 import argparse
+import sys
 import traceback
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 from dsv4_compile.generation import prefill_prompts, random_prompts
 from dsv4_compile.models import CacheConfig, DeepseekV4Model
 
-from bench_step import slice_config  # this directory's benchmark
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_step import slice_config  # noqa: E402  (the step benchmark's model)
 
 
 def model_frames(skip: int = 1) -> list[traceback.FrameSummary]:

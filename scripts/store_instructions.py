@@ -1,13 +1,13 @@
 """Instructions the Triton cache store issues per token, counted from the code Triton emits; no GPU needed.
 
-    python benchmarks/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0] [--sass] [--maxnreg N]
+    python scripts/store_instructions.py [--arch 90] [--formats v4 v4.1-fp8 v4.1-fp4] [--top 0] [--sass] [--maxnreg N]
 
 The store kernels have no loops, so the instruction count of one program, times its warps,
 divided by its tokens, is what the kernel issues per token (warp-instructions; predicated-off
 instructions included). Counted in PTX, or with ``--sass`` in the machine code (``cuobjdump`` of
 the cubin, NOPs left out: what the GPU issues; PTX hides some of it, e.g. the unpacking of byte
 pairs that a select per byte costs). On the H200 the V4 store was bound by instruction issue
-(benchmarks/RESULTS.md), so this count tracks its speed: at ~1 warp-instruction per scheduler per
+(benchmarks/history/RESULTS-notebook.md, 2026-12-01), so this count tracks its speed: at ~1 warp-instruction per scheduler per
 cycle, 65536 tokens x N instructions / (132 SMs x 4 schedulers x clock) is a floor on its time.
 
 For each format, geometry (tokens x warps per program; ``*`` = the kernel's for large stores) and rounding

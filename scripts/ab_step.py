@@ -1,13 +1,13 @@
 """Two versions of the package, the same step benchmark, in alternating processes.
 
-    python benchmarks/ab_step.py BASE NEW [--rounds 2] [--out DIR] [--new-args "..."] -- <bench_step.py arguments>
+    python scripts/ab_step.py BASE NEW [--rounds 2] [--out DIR] [--new-args "..."] -- <bench_step.py arguments>
 
 ``BASE`` and ``NEW`` are directories that each hold a ``dsv4_compile`` package (e.g. ``.`` and
 a ``git archive REV dsv4_compile | tar -x -C base`` of another revision); they may be the same
 directory, with ``--new-args`` (bench_step.py arguments added to NEW's runs only, e.g.
 ``--new-args "--inductor max_autotune_gemm=True"``) as the difference.
 
-Each run is a fresh process of this folder's ``bench_step.py`` (both versions must serve its
+Each run is a fresh process of ``benchmarks/bench_step.py`` (both versions must serve its
 imports), with the version first on ``PYTHONPATH`` (checked: the process imports that version).
 Each version runs ``--rounds`` times, in the order BASE NEW NEW BASE BASE NEW ..., so a drift
 across the runs, or anything a second process finds warmer than the first, weighs on both alike.
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def order(rounds: int) -> list[str]:
@@ -40,14 +40,14 @@ def environment(root: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
     found = subprocess.run([sys.executable, "-c", "import dsv4_compile; print(dsv4_compile.__file__)"],
-                           env=env, cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+                           env=env, cwd=BENCHMARKS, capture_output=True, text=True, check=True).stdout.strip()
     if not Path(found).resolve().is_relative_to(root.resolve()):
         raise SystemExit(f"with {root} first on PYTHONPATH the process imports {found}: an install shadows it")
     return env
 
 
 def run_once(env: dict, bench_args: list[str], json_path: Path) -> dict:
-    command = [sys.executable, str(HERE / "bench_step.py"), *bench_args, "--json", str(json_path)]
+    command = [sys.executable, str(BENCHMARKS / "bench_step.py"), *bench_args, "--json", str(json_path)]
     child = subprocess.run(command, env=env, capture_output=True, text=True)
     if child.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({env['PYTHONPATH']}):\n{child.stderr[-4000:]}")

@@ -1,8 +1,8 @@
 """Where a Triton kernel's instructions are: its machine code by region (prologue, each loop, the
 code between), counted offline; no GPU needed.
 
-    python benchmarks/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8] [--formats v4 v4]
-    python benchmarks/kernel_sass.py prefill | topk [--width 4096] | logits [--rows 64]
+    python scripts/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8] [--formats v4 v4]
+    python scripts/kernel_sass.py prefill | topk [--width 4096] | logits [--rows 64]
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
 choices a GPU of ``--arch`` with ``--sms`` SMs gets, and each launch is compiled as Triton
@@ -12,7 +12,7 @@ specialises the real one (:mod:`dsv4_compile.kernels.triton_offline`, as
 in one is a loop body, and what a program issues is the straight-line regions it passes through
 plus each loop body per iteration (per 64-key block for the decode). On the H200 the Triton
 decode at T = 1 issued 3,950 warp-instructions per warp by ``ncu``, the sum of the regions a
-one-block program passes through (benchmarks/RESULTS.md).
+one-block program passes through (benchmarks/history/RESULTS-notebook.md, 2026-12-02).
 
 Cases: ``decode``: ``rows`` query rows of 64 heads over a V4 cache (P = 256, 128 indices) and a
 V4 extra cache (P = 64, 512 indices), lengths and sink; ``prefill``: 64 heads, 512-dim keys,
