@@ -1,18 +1,18 @@
 """The V4 cache store under a per-thread register cap (Triton's ``maxnreg`` launch option).
 
-    PYTHONPATH=. python benchmarks/bench_store_registers.py [--tokens 1024 16384 65536] [--json out.json]
+    PYTHONPATH=. python benchmarks/experiments/bench_store_registers.py [--tokens 1024 16384 65536] [--json out.json]
 
-The store is bound by latency with few warps per SM (benchmarks/RESULTS.md: 127 registers per
-thread at the default 4-token, 1-warp geometry, 25% occupancy). This sweep launches the kernel
-directly (as ``bench_store.py`` does) at a few geometries (``BLOCK_T`` tokens x warps per
+The store is bound by latency with few warps per SM (benchmarks/history/RESULTS-notebook.md: 127
+registers per thread at the default 4-token, 1-warp geometry, 25% occupancy). This sweep launches
+the kernel directly (as ``bench_store.py`` does) at a few geometries (``BLOCK_T`` tokens x warps per
 program), each uncapped and capped at ``maxnreg`` registers, and times it two ways: CUDA-graph
 replays of 10 calls (``common.graph_timed``) and ``do_bench`` with L2 flushed. Each configuration
-runs twice, in the order A B C D D C B A, so a drift over the run shows as a difference between
-its two rows. Shares are of a device-to-device copy of the same traffic, timed the same way.
+runs twice, in the order A B C D D C B A, so a drift over the run shows as a difference between its
+two rows. Shares are of a device-to-device copy of the same traffic, timed the same way.
 
-Only a measurement: the package launches the store without ``maxnreg`` (``torch.compile``'s
-wrapper of a user Triton kernel passes ``num_warps`` but not ``maxnreg``, so a cap would hold in
-eager calls only). ``store_instructions.py --sass --maxnreg N`` shows what a cap does to the code
+Only a measurement: the package launches the store without ``maxnreg`` (``torch.compile``'s wrapper
+of a user Triton kernel passes ``num_warps`` but not ``maxnreg``, so a cap would hold in eager calls
+only). ``scripts/store_instructions.py --sass --maxnreg N`` shows what a cap does to the code
 offline (registers, spills, instructions).
 """
 
@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-import bench_store
 import dsv4_compile as d4
-from common import graph_timed
 from dsv4_compile.kernels import triton_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: the modules imported below
+import bench_store  # noqa: E402
+from common import graph_timed  # noqa: E402
 
 #: (tokens per program, warps per program, maxnreg or None)
 CONFIGS = [(4, 1, None), (2, 1, None), (2, 1, 80), (2, 1, 64)]
@@ -56,7 +60,7 @@ def main() -> None:
     assert d4.providers("cuda")[triton_store.OP] == triton_store.NAME
     rows = []
     for num_tokens in opts.tokens:
-        traffic = num_tokens * bench_store.BYTES_PER_TOKEN
+        traffic = num_tokens * bench_store.traffic_per_token()
         src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         copy_graph_us = graph_timed(lambda: dst.copy_(src))

@@ -1,11 +1,11 @@
 """Can a weight GEMM of the decode step hide its ramp behind the kernel before it? (SM90+)
 
 At b = 1 the step's weight GEMMs take ~348 µs where reading their weights at the copy rate takes
-~273 µs: each kernel loses ~3–5 µs to its ramp and tail (RESULTS.md, "the step's GEMMs alone").
-With programmatic dependent launch (PDL), a kernel launched with the attribute may start while the
-kernel before it drains, and waits (``griddepcontrol.wait``) before it reads that kernel's output.
-A GEMM's weights do not depend on the kernel before it, so their first tiles can be loaded before
-the wait.
+~273 µs: each kernel loses ~3–5 µs to its ramp and tail (benchmarks/history/RESULTS-notebook.md,
+"the step's GEMMs alone"). With programmatic dependent launch (PDL), a kernel launched with the
+attribute may start while the kernel before it drains, and waits (``griddepcontrol.wait``) before it
+reads that kernel's output. A GEMM's weights do not depend on the kernel before it, so their first
+tiles can be loaded before the wait.
 
 Each case times a chain of ``--links`` links in one CUDA graph, each link a small kernel (an
 RMSNorm of the previous link's output, as in the step) and then ``x @ W_i^T`` with a weight of its
@@ -21,21 +21,24 @@ own (the weights together exceed L2). Variants, µs per link (graph replays, med
 The floor of a link is its weight bytes at the copy rate measured in the same run. Outputs are
 checked against ``torch.mm`` (float32 accumulation; a tolerance, since the summation order differs).
 
-    python benchmarks/bench_gemm_pdl.py [--rows 1 8] [--links 8]
+    python benchmarks/experiments/bench_gemm_pdl.py [--rows 1 8] [--links 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from bench_step import copy_rate
-from common import graph_timed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: the modules imported below
+from bench_step import copy_rate  # noqa: E402
+from common import graph_timed  # noqa: E402
 
 #: (name, K, N, BLOCK_N): the step's weights of ~67 MB and the LM head
 SHAPES = [("wq_b", 1024, 32768, 64), ("wo_b", 8192, 4096, 32), ("lm_head", 4096, 32000, 64)]

@@ -18,7 +18,7 @@ Triton program per 128 chunks, each thread issuing one instruction by inline PTX
 
 Last, the GEMM over a 32 MiB weight already in L2 (8 calls in a row), for the L2-hot rate.
 
-    python benchmarks/bench_l2_prefetch.py [--json OUT]
+    python benchmarks/experiments/bench_l2_prefetch.py [--json OUT]
 """
 
 from __future__ import annotations

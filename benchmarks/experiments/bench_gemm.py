@@ -1,10 +1,11 @@
 """The decode step's weight GEMMs alone: cuBLAS against a plain split-K Triton GEMM, at 1 and 64 rows.
 
 What it answers: how close to the copy rate can a GEMM whose weight is read once get, at the sizes
-the step has (benchmarks/RESULTS.md, "The step's GEMMs alone")? Shapes (``G`` groups of ``[N, K]``
-bf16 weights, ``K`` contiguous, as ``nn.Linear`` stores them): ``lm_head`` 4096 -> 32000,
-``wq_b`` 1024 -> 32768, ``wo_a`` 8 x (4096 -> 1024), ``wo_b`` 8192 -> 4096, the stacked input
-projections of a ratio-4 / ratio-0 layer 4096 -> 4096 / 1536, the indexer's ``wq_b`` 1024 -> 8192.
+the step has (benchmarks/history/RESULTS-notebook.md, "The step's GEMMs alone")? Shapes (``G``
+groups of ``[N, K]`` bf16 weights, ``K`` contiguous, as ``nn.Linear`` stores them): ``lm_head``
+4096 -> 32000, ``wq_b`` 1024 -> 32768, ``wo_a`` 8 x (4096 -> 1024), ``wo_b`` 8192 -> 4096, the
+stacked input projections of a ratio-4 / ratio-0 layer 4096 -> 4096 / 1536, the indexer's ``wq_b``
+1024 -> 8192.
 
 * cuBLAS: ``torch.bmm`` into a bf16 output;
 * Triton: one program per ``BLOCK_N`` output columns and per ``1/split`` of ``K``
@@ -16,19 +17,23 @@ projections of a ratio-4 / ratio-0 layer 4096 -> 4096 / 1536, the indexer's ``wq
 Each call reads another copy of the weight (copies enough to exceed 400 MB), so L2 holds none of
 it between calls; times are CUDA-graph replays of 2 rounds over the copies, median of 7 runs of 10.
 
-Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/bench_gemm.py`` (~2.5 minutes on the H200)
+Usage (on a CUDA machine): ``PYTHONPATH=. python benchmarks/experiments/bench_gemm.py`` (~2.5
+minutes on the H200)
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from bench_step import copy_rate
-from common import graph_timed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: the modules imported below
+from bench_step import copy_rate  # noqa: E402
+from common import graph_timed  # noqa: E402
 
 SHAPES = {  # name: (G, N, K)
     "lm_head": (1, 32000, 4096), "wq_b": (1, 32768, 1024), "wo_a": (8, 1024, 4096), "wo_b": (1, 4096, 8192),
