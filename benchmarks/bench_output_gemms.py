@@ -2,7 +2,7 @@
 
 What it answers: does writing ``wo_a``'s batched GEMM output transposed (``[G, r, T]``, which
 ``wo_b`` reads as a column-major ``[T, G * r]`` operand) beat the ``[G, T, r]`` output and the
-copy to ``[T, G * r]`` between the two GEMMs (benchmarks/RESULTS.md, fifteenth run)? Both layouts
+copy to ``[T, G * r]`` between the two GEMMs (benchmarks/RESULTS.md, "Model decode step")? Both layouts
 give the same bits (printed: the largest difference).
 
 Shapes of the benchmarked slice: ``G = 8`` groups, ``r = 1024``, ``H * D / G = 4096``, ``wo_b``

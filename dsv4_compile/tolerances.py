@@ -61,7 +61,7 @@ STORE_FP8_STEP = 2**-3
 #: dot product of ``D`` terms errs by at most ``~D * eps32`` of the sum of its terms' magnitudes,
 #: and the weighted sum over ``H`` heads adds ``~H * eps32``; 3xTF32 products (NVIDIA) represent
 #: each operand with ~21 significand bits, a few eps32 per product, inside the same bound (measured
-#: worst: 0.03 of it, benchmarks/RESULTS.md).
+#: worst: 0.03 of it, benchmarks/RESULTS.md, "Indexer logits").
 INDEXER_ULPS_PER_TERM = 1.0
 
 #: Logits or layer outputs of two groupings of one eager bf16 computation: a prompt in one step or

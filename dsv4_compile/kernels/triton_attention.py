@@ -107,15 +107,15 @@ class Config:
 
 
 #: Decode on NVIDIA SM90 (warpgroup MMA): 64 heads x 64 keys per step, 1 program of 8 warps
-#: per SM (the fastest of the H200 sweep in benchmarks/RESULTS.md at T >= 8). The extra-cache loop
-#: is not pipelined: with two stages the decode took 1.10x the time at T = 64 and 1.07x at T = 256
-#: on the H200 (1.25x at T = 64 when the loop still hoisted and spilled).
+#: per SM (the fastest of the H200 sweep at T >= 8: benchmarks/history/RESULTS-notebook.md). The
+#: extra-cache loop is not pipelined: with two stages the decode took 1.10x the time at T = 64 and
+#: 1.07x at T = 256 on the H200 (1.25x at T = 64 when the loop still hoisted and spilled).
 DECODE_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, extra_stages=1)
 #: Decode elsewhere (SM80/86/89/100/120; AMD, Intel): 32 heads per program, as 64 spill ~0.9 KB
 #: per thread on SM80 (ptxas), and on SM100 64-head programs take 544 tensor-memory columns of the
 #: SM's 512, which Triton 3.6 compiles to a bare trap (``tests/test_triton_compile.py``). Compiled
 #: for the H200 it takes 1.2x (T = 1) to 3.4x (T = 256) SM90's time: 32-row programs cannot use
-#: the warpgroup MMA there (benchmarks/RESULTS.md, eighteenth run).
+#: the warpgroup MMA there (benchmarks/RESULTS.md, "Triton decode vs FlashMLA").
 DECODE_CONFIG_SMALL = Config(block_h=32, block_n=32, num_warps=8, num_stages=2)
 #: Prefill on SM90: 64 keys per step (1.6x the 32-key geometry on the H200).
 PREFILL_CONFIG = Config(block_h=64, block_n=64, num_warps=8, num_stages=2, shared_bytes=221_440)

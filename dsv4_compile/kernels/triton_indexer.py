@@ -13,8 +13,9 @@ visible blocks) read no key and score no head, so a query's cost follows its vis
 the width of ``block_slots`` (the capacity of a request's cache); nothing is gathered into memory.
 A row's column blocks (``BLOCK_N`` columns each) are shared among :func:`programs_per_row`
 programs, enough to fill the device once, so the column blocks past the visible ones cost a few
-stores in a program that scores, not programs of their own. On the H200 (benchmarks/RESULTS.md)
-IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than 3xTF32 at the model's shapes (same geometry).
+stores in a program that scores, not programs of their own. On the H200 (benchmarks/RESULTS.md,
+"Indexer logits") IEEE float32 ``tl.dot`` ran 2.1-2.5x slower than 3xTF32 at the model's shapes
+(same geometry).
 
 The top-k (docs/design.md §2.9): one program per row holds the row's values in registers as
 32-bit keys whose unsigned order is the op's value order (:func:`~.reference.topk_keys`' high
@@ -44,7 +45,7 @@ from . import triton_common
 
 OP, TOPK = "indexer_logits", "indexer_topk"
 NAME = "triton"
-#: Launch geometry (a rule, from a sweep on the H200: benchmarks/RESULTS.md, the indexer logits):
+#: Launch geometry (a rule, from a sweep on the H200: benchmarks/history/RESULTS-notebook.md):
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
 #: ``[BLOCK, D]`` query and key tiles then stay within registers); 4 warps.
 BLOCK_N, BLOCK_H, BLOCK_WIDE, NUM_WARPS = 64, 32, 16, 4
@@ -56,13 +57,14 @@ PROGRAMS_PER_UNIT = 2
 #: (:func:`_launch_split`) while ``4 k <= TOPK_CHUNK``; past that, in registers up to
 #: :data:`TOPK_MAX_WIDTH` columns (the widest the in-register program is built for), beyond by a
 #: program per row that reads it :data:`TOPK_CHUNK` columns at a time with :data:`TOPK_CHUNK_WARPS`
-#: warps (the fastest of the sweep on the H200 at 4096 to 32768 columns: benchmarks/RESULTS.md).
+#: warps (the fastest of the sweep on the H200 at 4096 to 32768 columns:
+#: benchmarks/history/RESULTS-notebook.md).
 TOPK_MAX_WIDTH, TOPK_CHUNK, TOPK_CHUNK_WARPS = 8192, 4096, 8
 
 
 def topk_warps(block: int) -> int:
     """Warps of the in-register top-k program over rows of ``block`` (a power of two) columns, a
-    rule from the sweep on the H200 (benchmarks/RESULTS.md, the top-k by bits): 4 up to 2048
+    rule from the sweep on the H200 (benchmarks/RESULTS.md, "Indexer top-k"): 4 up to 2048
     columns, 8 beyond; the fastest, or within 2% of it, at 1, 64 and 8192 rows of every width
     measured (1024 to 8192)."""
     return 4 if block <= 2048 else 8
@@ -276,7 +278,7 @@ def programs_per_row(device: torch.device, tokens: int, blocks: int) -> int:
     block (the rule before) ran blocks past a row's visible ones as programs of their own, which
     hold the same registers and shared memory as scoring ones: at 64 decode rows of 1024 columns
     with 256 visible, 1024 programs in 3.9 waves for 256 that score (benchmarks/RESULTS.md,
-    sixteenth run)."""
+    "Indexer logits")."""
     return max(1, min(blocks, PROGRAMS_PER_UNIT * triton_common.compute_units(device) // max(tokens, 1)))
 
 
@@ -314,7 +316,7 @@ def indexer_topk(logits, k):
 
 def topk_program(width: int, k: int) -> str:
     """Which top-k program serves rows of ``width`` columns (a rule from the sweep on the H200,
-    benchmarks/RESULTS.md, the top-k by bits): ``"registers"`` up to :data:`TOPK_CHUNK` columns;
+    benchmarks/RESULTS.md, "Indexer top-k"): ``"registers"`` up to :data:`TOPK_CHUNK` columns;
     past it ``"split"`` when the pieces shrink the row at least 4-fold (``4 k <= TOPK_CHUNK``),
     else ``"registers"`` up to :data:`TOPK_MAX_WIDTH` columns and ``"looped"`` beyond. At k = 512
     by pieces was faster than the looped program at every row count measured (1 to 8192 rows of

@@ -45,13 +45,13 @@ OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
 NAME = "triton"
 #: Launch geometry by the values format: ``(tokens per program`` (a power of two), ``warps per
-#: program)``, the fastest of a sweep on the H200 (benchmarks/RESULTS.md, the store at 65536 tokens;
-#: FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped dividing, ninth run, and stayed
-#: the fastest with the paired compares, 0.94x the next at 65536 tokens, eighteenth run).
+#: program)``, the fastest of a sweep on the H200 at 65536 tokens (benchmarks/RESULTS.md, "Cache
+#: store", and its history; FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped
+#: dividing, and stayed the fastest with the paired compares, 0.94x the next).
 GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
 #: Up to this many tokens (a decode step's stores, a short prefill) every format stores one token
 #: per one-warp program instead: the device has SMs to spare, and a program that handles one token
-#: finishes sooner. On the H200 (benchmarks/RESULTS.md, seventeenth run; CUDA graphs) that took
+#: finishes sooner. On the H200 (benchmarks/RESULTS.md, "Cache store"; CUDA graphs) that took
 #: 0.69-0.88x the time of :data:`GEOMETRY`'s at 1 to 256 tokens in every format, 0.92-0.99x at 1024;
 #: at 4096 tokens :data:`GEOMETRY`'s was the faster (1x1 took 1.06-1.28x its time).
 SMALL_TOKENS = 1024
@@ -108,7 +108,7 @@ def _ue8m0_exponent(amax):
     """Smallest int ``e`` with ``2^e >= fp32(max(1e-4, amax) / 448)``, from the quotient's bits.
     (``e`` also follows from ``amax``'s own bits, without the division: ``fp32(a / 448) <= 2^e``
     exactly when ``a <= 448 * 2^e``. That form issues ~14 fewer instructions per token, yet the
-    V4 store was 4-6% slower with it on the H200: benchmarks/RESULTS.md, twelfth run.)"""
+    V4 store was 4-6% slower with it on the H200: benchmarks/RESULTS.md, "Cache store".)"""
     scale = tl.div_rn(tl.maximum(amax, _SCALE_MIN), _FP8_MAX)  # IEEE-rounded like the reference
     bits = scale.to(tl.int32, bitcast=True)  # scale > 0: exponent field | mantissa
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)

@@ -170,7 +170,7 @@ class DeepseekV4Attention(nn.Module):
         One batched GEMM of ``wo_a``'s ``[G, o_lora_rank, H*D/G]`` blocks with ``[G, H*D/G, T]``
         views of ``out``, which writes ``[G * o_lora_rank, T]`` contiguous: its transpose is a
         column-major operand ``wo_b``'s GEMM reads as it is, so no copy runs between the two GEMMs
-        (a ``[G, T, o_lora_rank]`` output needed one: benchmarks/RESULTS.md, fifteenth run).
+        (a ``[G, T, o_lora_rank]`` output needed one: benchmarks/RESULTS.md, "Model decode step").
         Traced for ``torch.export`` (:func:`~.metadata.counts_apart`) on torch before
         :data:`TRANSPOSED_EXPORT_TORCH`: that output and its copy, because there ``torch.export``
         fails on a guard of the transposed output's strides (``min(T, 64 T) == T``) that it cannot

@@ -90,7 +90,7 @@ class Compressor(nn.Module):
         block's first halves and this block's second halves, softmax-pooled. Each token's half is
         gathered alone (rows ``[*, 2d]`` viewed ``[*, 2, d]``, indexed by row and half): half the
         bytes of gathering whole rows, and nothing sliced or concatenated after
-        (benchmarks/RESULTS.md, twelfth run)."""
+        (benchmarks/RESULTS.md, "Model decode step")."""
         d, r = self.head_dim, self.ratio
         # [S]: the half each pooled token contributes: 0 (the previous block's), then 1 (this one's)
         half = (torch.arange(2 * r, device=kv.device) >= r).long()

@@ -67,7 +67,7 @@ def residual_add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``h + delta`` as PyTorch computes a bf16 add (in float32, rounded once to ``h.dtype``), so
     the same bits. Written through float32 so that, when ``delta`` is a GEMM's output, Inductor
     keeps the GEMM plain and fuses the sum into the next kernel, instead of making an ``addmm``
-    that first copies ``h`` into its output (benchmarks/RESULTS.md, twelfth run)."""
+    that first copies ``h`` into its output (benchmarks/RESULTS.md, "Model decode step")."""
     return (h.float() + delta.float()).to(h.dtype)
 
 
