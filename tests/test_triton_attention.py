@@ -278,6 +278,7 @@ SMALL_CONFIGS = {
 
 
 def test_key_blocks_below_32_are_refused():
+    """16-key blocks gave wrong decode results compiled for SM90 (scripts/repro_triton_16key_decode.py)."""
     with pytest.raises(ValueError, match="block_n"):
         ta.Config(block_h=16, block_n=16, num_warps=4, num_stages=1)
 

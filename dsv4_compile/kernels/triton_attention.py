@@ -101,7 +101,8 @@ class Config:
 
     def __post_init__(self):
         # 16-key blocks gave wrong decode results on the H200 (Triton 3.6, SM90) while 32 and up
-        # match the reference and the interpreter: keep key blocks at 32 or more.
+        # matched the reference and the interpreter: keep key blocks at 32 or more until
+        # scripts/repro_triton_16key_decode.py shows them right (benchmarks/RESULTS.md).
         if self.block_n < 32 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 32, got {self.block_n}")
 

@@ -513,8 +513,10 @@ def _functional_rule(op_name: str, check, launch_arguments):
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
         symbolic = not all(isinstance(n, int) for n in args[0].shape)
         if symbolic or not triton_common.may_trace(types) or not inlines(op_name, args[0].device, args):
-            # A symbolic token count keeps the opaque op: a graph traced with one gave wrong cache
-            # bytes on the H200 at 1025 tokens (correct at 37 and 300), static graphs are exact.
+            # A symbolic token count keeps the opaque op: the launch traced with one rounds a RoPE
+            # value otherwise than the eager launch of the same kernel (one bf16 ulp, at 1025
+            # tokens), where static graphs are byte-exact; the op's bytes must not depend on how
+            # it was compiled (scripts/repro_triton_symbolic_store.py, benchmarks/RESULTS.md).
             return mode.__torch_dispatch__(op, types, args, kwargs)
         with mode:
             check(*args)
