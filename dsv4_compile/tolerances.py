@@ -17,10 +17,11 @@ by the largest key magnitude of the case (``atol * max|V|``), since ``out`` is a
 combination of keys.
 
 The models' comparisons (logits, layer outputs) between two computations that legitimately round
-differently fall in two kinds, each bounded in the units of its cause: regrouped sums of one eager
-computation (:data:`REGROUPED_ULPS`, bf16 ulps of the largest magnitude), and computations that
-round at other places (:data:`FP8_STEP_SHARE`, the FP8 step of a cached value as a share of the
-largest magnitude). Token choices compared next to logits within a tolerance ``atol`` may differ
+differently fall in three kinds, each bounded in the units of its cause: one eager computation
+with its sums reordered (:data:`REORDERED_ULPS`, bf16 ulps of the largest magnitude), or with its
+tokens regrouped into other steps (:data:`REGROUPED_ULPS`), and computations that round at other
+places (:data:`FP8_STEP_SHARE`, the FP8 step of a cached value as a share of the largest
+magnitude). Token choices compared next to logits within a tolerance ``atol`` may differ
 only where two logits lie within ``2 * atol`` of each other (a near-tie). Bit for bit only where
 bit identity is promised (the same computation run twice, a sharded weight, a compiled graph whose
 own code is exact around opaque ops).
@@ -64,14 +65,23 @@ STORE_FP8_STEP = 2**-3
 #: worst: 0.03 of it, benchmarks/RESULTS.md, "Indexer logits").
 INDEXER_ULPS_PER_TERM = 1.0
 
-#: Logits or layer outputs of two groupings of one eager bf16 computation: a prompt in one step or
-#: in chunks, token by token or at once, on any CPU and thread count (GEMMs of other row counts,
-#: vector widths and thread splits sum in other orders). A differing order flips a bf16 rounding by
-#: one ulp here and there; the final hidden states then agree within a couple of ulps of their
-#: scale, which moves a logit by a fraction of an ulp of the logits' scale, and each side rounds
-#: its logits to bf16 (half an ulp each): within ``REGROUPED_ULPS`` bf16 ulps of the largest
-#: magnitude. Compared in :func:`regrouped_atol`.
-REGROUPED_ULPS = 2
+#: Logits or layer outputs of one eager bf16 computation with its sums in another order: the same
+#: rows in the same steps, compiled with eager's roundings (Inductor's ``emulate_precision_casts``)
+#: or on another CPU or thread count (other vector widths and thread splits). A differing order
+#: flips a bf16 rounding by one ulp here and there; the final hidden states then agree within a
+#: couple of ulps of their scale, which moves a logit by a fraction of an ulp of the logits' scale,
+#: and each side rounds its logits to bf16 (half an ulp each): within ``REORDERED_ULPS`` bf16 ulps
+#: of the largest magnitude (:func:`reordered_atol`; measured: benchmarks/RESULTS.md, "Test
+#: tolerances").
+REORDERED_ULPS = 2
+
+#: The same tokens in other steps: a prompt in one step, in chunks, or token by token. On top of the
+#: reordering above (GEMMs of other row counts sum in other orders), the keys each step stores can
+#: differ by such a flip, and a flipped key value may land on the other side of a rounding boundary
+#: of its FP8 cache: one element off by an FP8 step, weighted by that key's attention probability.
+#: That doubles the reordering's bound: ``REGROUPED_ULPS`` bf16 ulps of the largest magnitude
+#: (:func:`regrouped_atol`).
+REGROUPED_ULPS = 2 * REORDERED_ULPS
 
 #: Logits of two computations that round at other places: compiled code that keeps a value in
 #: float32 where eager code rounds it to bf16, tensor-parallel ranks that round their partial sums
@@ -85,6 +95,11 @@ FP8_STEP_SHARE = 2**-3
 def bf16_ulp(x: float) -> float:
     """The spacing of bfloat16 values at magnitude ``x`` (> 0; 0 gives 0)."""
     return 0.0 if x == 0 else torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(x))
+
+
+def reordered_atol(want: torch.Tensor) -> float:
+    """The absolute tolerance of a reordered computation against ``want`` (:data:`REORDERED_ULPS`)."""
+    return REORDERED_ULPS * bf16_ulp(want.abs().max().item())
 
 
 def regrouped_atol(want: torch.Tensor) -> float:

@@ -27,7 +27,7 @@ from dsv4_compile.models import (
     tiny_config,
 )
 from dsv4_compile.models.model import residual_add
-from dsv4_compile.tolerances import regrouped_atol, rerounded_atol
+from dsv4_compile.tolerances import regrouped_atol, reordered_atol, rerounded_atol
 from helpers import assert_same_choices_but_near_ties
 from test_block import assert_no_cache_copy
 
@@ -232,7 +232,7 @@ def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(kv_format):
     """With Inductor rounding where eager code rounds (``emulate_precision_casts``; by default a
     fused kernel skips a cast to bf16 whose result it reads back in float32), the compiled decode,
     fed the eager run's tokens, gives the eager logits of every step within
-    ``tolerances.REGROUPED_ULPS`` bf16 ulps of their largest magnitude, for every cache format: what
+    ``tolerances.REORDERED_ULPS`` bf16 ulps of their largest magnitude, for every cache format: what
     is left is the summation order of reductions.
 
     Without the emulation the difference is far larger (up to ~0.2 at a scale of ~3 on random models
@@ -247,7 +247,7 @@ def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(kv_format):
     compiled = torch.compile(compiled_model, fullgraph=True, options={"emulate_precision_casts": True})
     _, got_logits = run_generation(compiled_model, compiled, follow=want_tokens)
     for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
-        torch.testing.assert_close(got, want, atol=regrouped_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got, want, atol=reordered_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
 
 
 def test_decode_schedules_every_kind_at_once_from_what_its_layers_pass(monkeypatch):
@@ -343,12 +343,12 @@ def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(kv_format):
 def test_cuda_reduce_overhead_with_eager_roundings_gives_the_eager_logits(kv_format):
     """The CUDA counterpart of ``test_compiled_decode_with_eager_roundings_gives_the_eager_logits``:
     with ``emulate_precision_casts`` the ``reduce-overhead`` decode gives the eager logits of every
-    step within ``tolerances.REGROUPED_ULPS`` bf16 ulps of their largest magnitude, where the test
+    step within ``tolerances.REORDERED_ULPS`` bf16 ulps of their largest magnitude, where the test
     above needs a tolerance for the skipped roundings (measured on the H200: benchmarks/RESULTS.md)."""
     got_logits, want_logits, skips = reduce_overhead_decode(kv_format, emulate_precision_casts=True)
     assert skips == 0
     for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True), start=1):
-        torch.testing.assert_close(got, want, atol=regrouped_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got, want, atol=reordered_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
 
 
 @pytest.mark.cuda
