@@ -7,18 +7,21 @@ their order is :data:`RANKING`, in this one place. A provider may declare a :cla
 a condition on the call (a page size, a page stride) it needs; a call that fails it goes to the
 next provider, with one warning.
 
-Resolution is lazy and cached: the first call of an op on a device, with a given *call signature*
-(the properties rules look at: ``ops.CALLS``) and override, loads the candidates (importing their
-libraries), applies the rules and remembers the kernel. Every later call with that signature is one
-dict lookup. The op kernel registered for a dispatch key (``CPU``, ``CUDA``, ``XPU``) is
-:func:`backend_kernel`: validate, look up, call. So the dispatcher picks the device, this module
-picks the provider, and no caller ever branches on either.
+The ops are those defined (each op's definition adds it: :func:`register_op`); this module names
+none but the decode, whose provider its scheduler ops follow. Resolution is lazy and cached: the
+first call of an op on a device, with a given *call signature* (the properties rules look at:
+``OpSpec.call``) and override, loads the candidates (importing their libraries), applies the rules
+and remembers the kernel. Every later call with that signature is one dict lookup. The op kernel
+registered for a dispatch key (``CPU``, ``CUDA``, ``XPU``) is :func:`backend_kernel`: validate,
+look up, call. So the dispatcher picks the device, this module picks the provider, and no caller
+ever branches on either.
 
 Override: ``DSV4_COMPILE_PROVIDER=reference`` (environment) or ``with use_provider("reference"):``
 forces one provider for every op (or for the ops named). A forced provider that cannot serve a call
-is an error, never a silent substitute. The environment is read at import and by :func:`reset`,
-not on every call; :func:`use_provider` applies when the op runs, so it also steers already
-compiled functions whose ops stayed opaque.
+is an error, never a silent substitute. The environment is read at import (by :func:`reset`, once
+the ops it may name are defined) and by later calls of :func:`reset`, not on every call;
+:func:`use_provider` applies when the op runs, so it also steers already compiled functions whose
+ops stayed opaque.
 """
 
 from __future__ import annotations
@@ -34,21 +37,13 @@ import torch
 
 from . import checks
 
-OPS = (
-    "fused_k_norm_rope_flashmla",
-    "quantize_store",
-    "flash_mla_with_kvcache",
-    "flash_mla_sparse_fwd",
-    "get_mla_metadata",
-    "get_mla_metadata_stacked",
-    "indexer_logits",
-    "indexer_topk",
-    "rope_",
-)
+#: The ``dsv4`` ops, in the order they were defined (:func:`register_op`).
+OPS: tuple[str, ...] = ()
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"
+#: The decode, and the ops whose schedules only the decode's provider can read: they follow it
+#: (an override of the decode forces them too).
 DECODE = "flash_mla_with_kvcache"
-#: The ops whose schedules only the decode's provider can read: they follow it.
 METADATA_OPS = ("get_mla_metadata", "get_mla_metadata_stacked")
 
 #: Priorities of the providers this package ships (higher wins where several can serve a call):
@@ -69,7 +64,7 @@ class ProviderUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Rule:
     """What a provider needs of one call of an op, beyond the device: ``accepts(device, call)``
-    on the call's signature (``ops.CALLS``: page size, page strides, ...), and the same condition
+    on the call's signature (``OpSpec.call``: page size, page strides, ...), and the same condition
     in words for :func:`provider_chain` and the fallback warning."""
 
     needs: str
@@ -82,14 +77,14 @@ class Provider:
 
     ``load(device)`` imports what the provider needs and returns ``{op: kernel}`` for the ops it
     serves on that device, or raises :class:`ProviderUnavailable` saying why not. Kernels take the
-    op's arguments positionally, in schema order, validated (``ops.CHECKS``). Several entries may
+    op's arguments positionally, in schema order, validated (``OpSpec.check``). Several entries may
     share a name (one per kernel module); forcing the name forces them all.
     """
 
     name: str
     device_type: str  # "cuda", "xpu", "cpu", ... or "*" for every device type
     load: Callable[[torch.device], Mapping[str, Callable]]
-    ops: tuple[str, ...] = OPS  # the ops it can serve (when available)
+    ops: tuple[str, ...] | None = None  # the ops it can serve (when available); None: every op
     priority: int | None = None  # higher wins; default RANKING[name]
     #: a fallback (a slower path: Triton, the reference) warns once when it serves an op because
     #: a provider above it is unavailable (any provider warns once when it serves a call a rule of a
@@ -115,7 +110,7 @@ class Provider:
 class _Registry:
     providers: list[Provider] = field(default_factory=list)
     loaded: dict = field(default_factory=dict)  # (provider entry, device) -> kernels, or why not (str)
-    resolved: dict = field(default_factory=lambda: {op: {} for op in OPS})  # op -> key -> _Resolution
+    resolved: dict = field(default_factory=dict)  # op -> key -> _Resolution (register_op adds the op)
     warned: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     env_forced: dict | None = None  # DSV4_COMPILE_PROVIDER, parsed by reset()
@@ -132,6 +127,15 @@ _local = _ThreadState()
 
 def _key(p: Provider) -> tuple:
     return p.name, p.device_type, p.ops
+
+
+def register_op(op: str) -> None:
+    """Add ``op`` to :data:`OPS` (``ops.registry.define`` does, for each op it defines)."""
+    global OPS
+    with _registry.lock:
+        if op not in OPS:
+            OPS = (*OPS, op)
+            _registry.resolved[op] = {}
 
 
 def register_provider(provider: Provider) -> None:
@@ -183,7 +187,8 @@ def _forget() -> None:
 def reset() -> None:
     """Forget cached resolutions and warnings, and re-read the environment
     (``DSV4_COMPILE_PROVIDER``, ``DSV4_COMPILE_CHECKED``): after changing it, or installing a
-    library at run time. Raises ``ValueError`` for a malformed ``DSV4_COMPILE_PROVIDER``."""
+    library at run time (the ``ops`` package calls it at import, once every op is defined).
+    Raises ``ValueError`` for a malformed ``DSV4_COMPILE_PROVIDER``."""
     with _registry.lock:
         _forget()
         _registry.warned.clear()
@@ -248,7 +253,7 @@ def use_provider(name: str, ops: tuple[str, ...] | None = None) -> Iterator[None
 def _candidates(device_type: str, op: str | None = None) -> list[Provider]:
     return [
         p for p in _registry.providers
-        if p.device_type in (device_type, "*") and (op is None or op in p.ops)
+        if p.device_type in (device_type, "*") and (op is None or p.ops is None or op in p.ops)
     ]
 
 
@@ -340,7 +345,7 @@ def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> _Res
 
 def resolve(op: str, device: torch.device, call: tuple | None = None) -> tuple[str, Callable]:
     """The provider name and kernel that serve ``op`` on ``device`` under the current override,
-    for a call with signature ``call`` (``ops.CALLS``; ``None``: a call every rule accepts)."""
+    for a call with signature ``call`` (``OpSpec.call``; ``None``: a call every rule accepts)."""
     forced = forced_providers()
     provider, kernel = _resolve(op, device, call, forced.get(op) if forced else None)
     return provider.name, kernel
@@ -496,6 +501,3 @@ def backend_kernel(
 
     kernel.__name__ = f"dsv4_{op}_{device_type or 'any'}"
     return kernel
-
-
-reset()  # read the environment

@@ -253,6 +253,7 @@ GRAD_ARGS = {
 DIRECT = {}
 
 for _op in SCHEMAS:
+    dispatch.register_op(_op)
     _parts = (_schema_defaults(_op), *CHECKS[_op], CALLS[_op], GRAD_ARGS[_op])
     for _key in ("CPU", "CUDA", "XPU"):
         _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), *_parts), _key)
@@ -262,6 +263,7 @@ for _op in SCHEMAS:
     _lib.impl(_op, torch.library.fallthrough_kernel, "Autograd")
 
 _direct_call_allowed = dispatch.direct_call_allowed
+dispatch.reset()  # read the environment: DSV4_COMPILE_PROVIDER may name any op defined above
 
 
 # --------------------------------------------------------------------------------------------
