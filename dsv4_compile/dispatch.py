@@ -402,12 +402,13 @@ def provider_chain(device: torch.device | str | None = None) -> dict[str, list[t
 _Tensor = torch.Tensor
 
 
-def direct_call_allowed(*tensors) -> bool:
-    """Whether a call from the Python wrappers (``dsv4_compile.flash_mla_with_kvcache``, ...) may
-    skip the dispatcher and run :func:`backend_kernel`'s path directly, as the dispatcher would
-    route it: eager (not traced by ``torch.compile``/``torch.export``), no dispatch or function
-    mode, no functorch transform, the profiler off (so traces show the ``dsv4`` op), and every
-    tensor a plain ``torch.Tensor`` on CPU, CUDA or XPU (``None`` skipped)."""
+def direct_call_allowed(args: tuple, tensors: tuple[int, ...], tensor_lists: tuple[int, ...] = ()) -> bool:
+    """Whether a call from the Python wrappers (``dsv4_compile.flash_mla_with_kvcache``, ...) with
+    ``args`` may skip the dispatcher and run :func:`backend_kernel`'s path directly, as the
+    dispatcher would route it: eager (not traced by ``torch.compile``/``torch.export``), no dispatch
+    or function mode, no functorch transform, the profiler off (so traces show the ``dsv4`` op), and
+    every tensor a plain ``torch.Tensor`` on CPU, CUDA or XPU: ``args[i]`` for ``i`` in ``tensors``
+    (``None`` skipped), and the entries of ``args[i]`` for ``i`` in ``tensor_lists``."""
     if (
         torch.compiler.is_compiling()
         or _len_torch_dispatch_stack()
@@ -416,8 +417,12 @@ def direct_call_allowed(*tensors) -> bool:
         or _profiler_enabled()
     ):
         return False
-    for t in tensors:
+    for i in tensors:
+        t = args[i]
         if t is not None and (type(t) is not _Tensor or not (t.is_cuda or t.is_cpu or t.is_xpu)):
+            return False
+    for i in tensor_lists:
+        if not direct_call_allowed(args[i], range(len(args[i]))):
             return False
     return True
 
@@ -434,7 +439,7 @@ def backend_kernel(
     defaults: tuple,
     check: Callable,
     check_data: Callable,
-    call: tuple[type, Callable],
+    call: tuple[type, Callable[..., tuple]],
     grad_args: tuple[tuple[int, str], ...],
 ) -> Callable:
     """The kernel registered for one dispatch key: validate, find the provider kernel, call it.
@@ -448,7 +453,8 @@ def backend_kernel(
     * inference only: under grad mode, the inputs at ``grad_args`` (``(index, name)``) must not
       require grad (the op has no backward; the Autograd key falls through to here);
     * the provider kernel for the device and the call's signature (``call``: its type and
-      ``key(args)``), one dict lookup (the first call of a signature is checked, then resolved);
+      ``fields(*args)``, a plain tuple), one dict lookup (the first call of a signature is checked,
+      then resolved);
     * ``check(*args)``: the metadata checks (dtypes, shapes, devices, geometry; no data read).
       For a provider kernel that checks the call itself (``Provider.validates``) they run only if
       it raises (and outside checked mode), to replace its error with theirs when the call is
@@ -459,7 +465,7 @@ def backend_kernel(
     checks for their error.
     """
     nargs = len(defaults)
-    call_type, call_key = call
+    call_type, call_fields = call
     table = _registry.resolved[op]  # cleared in place, never replaced
     is_grad_enabled, checked_mode = torch.is_grad_enabled, checks.checked_mode
 
@@ -478,13 +484,13 @@ def backend_kernel(
             if device_type is not None and device.type != device_type:
                 device = torch.device(device_type, device.index if device.index is not None else 0)
             forced = _local.forced or _registry.env_forced
-            hit = table.get((device, call_key(args), forced.get(op) if forced else None))
+            hit = table.get((device, call_fields(*args), forced.get(op) if forced else None))
         except Exception:
             check(*args)  # a malformed call: its error
             raise
         if hit is None:  # a new call signature: checked before any provider is loaded for it
             check(*args)
-            hit = _lookup(op, device, call_type, call_key(args))
+            hit = _lookup(op, device, call_type, call_fields(*args))
         provider_kernel, data, validates = hit
         if data or checked_mode():
             check(*args)

@@ -71,6 +71,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from .. import checks, dispatch, layout, ops
+from ..ops import registry
 from . import reference, triton_common
 
 DECODE = "flash_mla_with_kvcache"
@@ -855,7 +856,7 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
 
 
 def _functional_rule(op: str, launch, check):
-    defaults = ops._schema_defaults(op)
+    defaults = registry.DEFINED[op].defaults
 
     def rule(mode, op_overload, types, args, kwargs):
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults

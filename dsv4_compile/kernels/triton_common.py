@@ -22,7 +22,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .. import checks, dispatch, ops
+from .. import checks, dispatch
+from ..ops import registry
 
 DEVICE_TYPES = ("cuda", "xpu")
 #: Triton backends that serve each device type.
@@ -334,8 +335,7 @@ def inlines(op: str, device: torch.device, args: tuple | None, entry, kernel) ->
         return False
     call = None
     if args is not None:  # the call's signature: provider rules may depend on it
-        call_type, key = ops.CALLS[op]
-        call = call_type(*key(args))
+        call = registry.DEFINED[op].signature(args)
     try:
         if dispatch.resolve(op, device, call)[1] is not entry:
             return False

@@ -38,7 +38,8 @@ import functools
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import checks, dispatch, layout, ops
+from .. import checks, dispatch, layout
+from ..ops import registry
 from . import triton_common
 
 OP = "fused_k_norm_rope_flashmla"
@@ -506,7 +507,7 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
 
 
 def _functional_rule(op_name: str, check, launch_arguments):
-    defaults = ops._schema_defaults(op_name)
+    defaults = registry.DEFINED[op_name].defaults
 
     def rule(mode, op, types, args, kwargs):
         """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""

@@ -1,11 +1,11 @@
-"""The ``dsv4`` operator contract: schemas, fake implementations, registration, public wrappers.
+"""The ``dsv4`` operator contract: schemas, fake implementations, public wrappers.
 
-This file is the one place to read what each op takes and returns (docs/design.md §2). Importing it
-defines the ops in the ``dsv4`` namespace, registers their fakes (so ``torch.compile`` traces
-through them without a graph break), and registers one kernel per dispatch key — ``CPU``,
-``CUDA``, ``XPU``, plus ``CompositeExplicitAutograd`` for any other device — each a trampoline into
-:mod:`dsv4_compile.dispatch`, which picks the provider. The ops are inference-only: calling them
-with inputs that require grad is an error.
+This package is the one place to read what each op takes and returns (docs/design.md §2). Each op
+is declared by one ``registry.define(OpSpec(...))``, which defines it in the ``dsv4`` namespace,
+registers its fake (so ``torch.compile`` traces through it without a graph break) and one kernel
+per dispatch key — ``CPU``, ``CUDA``, ``XPU``, plus ``CompositeExplicitAutograd`` for any other
+device — each a trampoline into :mod:`dsv4_compile.dispatch`, which picks the provider. The ops are
+inference-only: calling them with inputs that require grad is an error.
 """
 
 from __future__ import annotations
@@ -14,48 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import checks, dispatch, layout
-
-NAMESPACE = "dsv4"
-
-SCHEMAS = {
-    "fused_k_norm_rope_flashmla": (
-        "fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format=\"v4\") -> ()"
-    ),
-    "quantize_store": (
-        "quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, "
-        "str kv_format=\"v4\") -> ()"
-    ),
-    "flash_mla_with_kvcache": (
-        "flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, "
-        "Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, "
-        "Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, "
-        "Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format=\"v4\", "
-        "str? extra_kv_format=None) -> (Tensor out, Tensor lse)"
-    ),
-    "flash_mla_sparse_fwd": (
-        "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
-        "Tensor? attn_sink=None, Tensor? topk_length=None) "
-        "-> (Tensor out, Tensor max_logits, Tensor lse)"
-    ),
-    "get_mla_metadata": (
-        "get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, "
-        "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
-    ),
-    "get_mla_metadata_stacked": (
-        "get_mla_metadata_stacked(Tensor q, int[] topk, Tensor?[] topk_length, int[] extra_topk, "
-        "Tensor?[] extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
-    ),
-    "indexer_logits": "indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
-    "indexer_topk": "indexer_topk(Tensor logits, int k) -> Tensor",
-    "rope_": "rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
-}
-
-_lib = torch.library.Library(NAMESPACE, "DEF")
-for _schema in SCHEMAS.values():
-    _lib.define(_schema)
-
+from .. import checks, dispatch, layout
+from .registry import SCHEMAS, OpSpec, define  # noqa: F401 (SCHEMAS: re-exported)
 
 # --------------------------------------------------------------------------------------------
 # Output geometry, shared by the fakes and the kernels: one definition of what each op returns.
@@ -112,17 +72,14 @@ def indexer_topk_output(logits: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.register_fake(f"{NAMESPACE}::fused_k_norm_rope_flashmla", lib=_lib)
 def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
     checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::quantize_store", lib=_lib)
 def _quantize_store_fake(kv, out_loc, kvcache, page_size, kv_format="v4"):
     checks.check_quantize_store(kv, out_loc, kvcache, page_size, kv_format)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::flash_mla_with_kvcache", lib=_lib)
 def _decode_fake(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -136,63 +93,38 @@ def _decode_fake(
     return decode_outputs(q, head_dim_v)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::flash_mla_sparse_fwd", lib=_lib)
 def _prefill_fake(q, kv, indices, sm_scale, d_v=layout.HEAD_DIM, attn_sink=None, topk_length=None):
     checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return prefill_outputs(q, d_v)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::get_mla_metadata", lib=_lib)
 def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
     checks.check_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
     return metadata_outputs(q)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::get_mla_metadata_stacked", lib=_lib)
 def _metadata_stacked_fake(q, topk, topk_length, extra_topk, extra_topk_length):
     count = checks.check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length)[3]
     return metadata_outputs(q, count)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::indexer_logits", lib=_lib)
 def _indexer_logits_fake(q, weights, keys, block_slots):
     checks.check_indexer_logits(q, weights, keys, block_slots)
     return indexer_logits_output(q, block_slots)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::indexer_topk", lib=_lib)
 def _indexer_topk_fake(logits, k):
     checks.check_indexer_topk(logits, k)
     return indexer_topk_output(logits, k)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::rope_", lib=_lib)
 def _rope_fake(x, freqs, positions, inverse=False):
     checks.check_rope(x, freqs, positions, inverse)
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels: one trampoline per dispatch key (dispatch.backend_kernel); inference-only.
+# The ops: schema, checks, fake, call signature (registry.define registers the rest).
 # --------------------------------------------------------------------------------------------
-
-
-def _schema_defaults(op_name: str) -> tuple:
-    schema = getattr(getattr(torch.ops, NAMESPACE), op_name).default._schema
-    return tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
-
-
-#: Each op's checks: metadata (every call, fakes too) and data (checked mode; providers that need them).
-CHECKS = {
-    "fused_k_norm_rope_flashmla": (checks.check_store, checks.check_store_data),
-    "quantize_store": (checks.check_quantize_store, checks.check_quantize_store_data),
-    "flash_mla_with_kvcache": (checks.check_decode, checks.check_decode_data),
-    "flash_mla_sparse_fwd": (checks.check_prefill, checks.check_prefill_data),
-    "get_mla_metadata": (checks.check_metadata, checks.check_metadata_data),
-    "get_mla_metadata_stacked": (checks.check_metadata_stacked, checks.check_metadata_stacked_data),
-    "indexer_logits": (checks.check_indexer_logits, checks.check_indexer_logits_data),
-    "indexer_topk": (checks.check_indexer_topk, checks.check_indexer_topk_data),
-    "rope_": (checks.check_rope, checks.check_rope_data),
-}
 
 
 class StoreCall(NamedTuple):
@@ -215,54 +147,92 @@ class DecodeCall(NamedTuple):
     extra_kv_format: str | None
 
 
-class NoCall(NamedTuple):
-    """Ops whose providers have no per-call rule."""
+def _store_call(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format):
+    return page_size, kvcache.stride(0), kv_format
 
 
-#: Each op's call signature: ``(type, key(args))``, ``args`` in schema order. ``key`` is a plain
-#: tuple of the properties of a call that provider rules (``dispatch.Rule``) may depend on;
-#: resolutions are cached per key, and rules see it as ``type(*key)``.
-CALLS = {
-    "fused_k_norm_rope_flashmla": (StoreCall, lambda a: (a[7], a[5].stride(0), a[8])),
-    "quantize_store": (StoreCall, lambda a: (a[3], a[2].stride(0), a[4])),
-    "flash_mla_with_kvcache": (
-        DecodeCall,
-        lambda a: (a[2], a[1].stride(0), 0, 0, a[14], None) if a[6] is None
-        else (a[2], a[1].stride(0), a[7], a[6].stride(0), a[14], a[15] or a[14]),
+def _quantize_store_call(kv, out_loc, kvcache, page_size, kv_format):
+    return page_size, kvcache.stride(0), kv_format
+
+
+def _decode_call(
+    q, k_cache, page_size, indices, topk_length, attn_sink,
+    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
+):
+    if extra_k_cache is None:
+        return page_size, k_cache.stride(0), 0, 0, kv_format, None
+    return page_size, k_cache.stride(0), extra_page_size, extra_k_cache.stride(0), kv_format, extra_kv_format or kv_format
+
+
+_STORE_OP = define(OpSpec(
+    schema=(
+        "fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format=\"v4\") -> ()"
     ),
-    "flash_mla_sparse_fwd": (NoCall, lambda a: ()),
-    "get_mla_metadata": (NoCall, lambda a: ()),
-    "get_mla_metadata_stacked": (NoCall, lambda a: ()),
-    "indexer_logits": (NoCall, lambda a: ()),
-    "indexer_topk": (NoCall, lambda a: ()),
-    "rope_": (NoCall, lambda a: ()),
-}
+    fake=_store_fake, check=checks.check_store, check_data=checks.check_store_data,
+    float_inputs=("kv", "kv_weight", "freqs"), call=StoreCall, call_fields=_store_call,
+))
+_QUANTIZE_STORE_OP = define(OpSpec(
+    schema=(
+        "quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, "
+        "str kv_format=\"v4\") -> ()"
+    ),
+    fake=_quantize_store_fake, check=checks.check_quantize_store, check_data=checks.check_quantize_store_data,
+    float_inputs=("kv",), call=StoreCall, call_fields=_quantize_store_call,
+))
+_DECODE_OP = define(OpSpec(
+    schema=(
+        "flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, "
+        "Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, "
+        "Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, "
+        "Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format=\"v4\", "
+        "str? extra_kv_format=None) -> (Tensor out, Tensor lse)"
+    ),
+    fake=_decode_fake, check=checks.check_decode, check_data=checks.check_decode_data,
+    float_inputs=("q", "attn_sink"), call=DecodeCall, call_fields=_decode_call,
+))
+_PREFILL_OP = define(OpSpec(
+    schema=(
+        "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
+        "Tensor? attn_sink=None, Tensor? topk_length=None) "
+        "-> (Tensor out, Tensor max_logits, Tensor lse)"
+    ),
+    fake=_prefill_fake, check=checks.check_prefill, check_data=checks.check_prefill_data,
+    float_inputs=("q", "kv", "attn_sink"),
+))
+_METADATA_OP = define(OpSpec(
+    schema=(
+        "get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, "
+        "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
+    ),
+    fake=_metadata_fake, check=checks.check_metadata, check_data=checks.check_metadata_data,
+    float_inputs=("q",),
+))
+_METADATA_STACKED_OP = define(OpSpec(
+    schema=(
+        "get_mla_metadata_stacked(Tensor q, int[] topk, Tensor?[] topk_length, int[] extra_topk, "
+        "Tensor?[] extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
+    ),
+    fake=_metadata_stacked_fake, check=checks.check_metadata_stacked, check_data=checks.check_metadata_stacked_data,
+    float_inputs=("q",),
+))
+_INDEXER_LOGITS_OP = define(OpSpec(
+    schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
+    fake=_indexer_logits_fake, check=checks.check_indexer_logits, check_data=checks.check_indexer_logits_data,
+    float_inputs=("q", "weights", "keys"),
+))
+_INDEXER_TOPK_OP = define(OpSpec(
+    schema="indexer_topk(Tensor logits, int k) -> Tensor",
+    fake=_indexer_topk_fake, check=checks.check_indexer_topk, check_data=checks.check_indexer_topk_data,
+    float_inputs=("logits",),
+))
+_ROPE_OP = define(OpSpec(
+    schema="rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
+    fake=_rope_fake, check=checks.check_rope, check_data=checks.check_rope_data,
+    float_inputs=("x", "freqs"),
+))
 
-#: The inputs of each op that could require grad (floating point), as ``(position, name)``.
-GRAD_ARGS = {
-    op: tuple(
-        (i, a.name) for i, a in enumerate(getattr(getattr(torch.ops, NAMESPACE), op).default._schema.arguments)
-        if a.name in ("kv", "kv_weight", "freqs", "q", "attn_sink", "weights", "keys", "logits", "x")
-    )
-    for op in SCHEMAS
-}
-
-#: Per op, the kernel the dispatcher reaches for tensors of any device type; the Python wrappers
-#: below call it directly in plain eager use (``dispatch.direct_call_allowed``): same checks, same
-#: provider, without the dispatcher's round trip.
-DIRECT = {}
-
-for _op in SCHEMAS:
-    dispatch.register_op(_op)
-    _parts = (_schema_defaults(_op), *CHECKS[_op], CALLS[_op], GRAD_ARGS[_op])
-    for _key in ("CPU", "CUDA", "XPU"):
-        _lib.impl(_op, dispatch.backend_kernel(_op, _key.lower(), *_parts), _key)
-    DIRECT[_op] = dispatch.backend_kernel(_op, None, *_parts)
-    _lib.impl(_op, DIRECT[_op], "CompositeExplicitAutograd")
-    # No backward: autograd falls through to the kernel above, which rejects inputs requiring grad.
-    _lib.impl(_op, torch.library.fallthrough_kernel, "Autograd")
-
-_direct_call_allowed = dispatch.direct_call_allowed
 dispatch.reset()  # read the environment: DSV4_COMPILE_PROVIDER may name any op defined above
 
 
@@ -299,10 +269,7 @@ def fused_k_norm_rope_flashmla(
     """
     if isinstance(freqs, torch.Tensor) and freqs.is_complex():
         freqs = torch.view_as_real(freqs).flatten(-2).float()
-    args = (kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size, kv_format)
-    if _direct_call_allowed(kv, kv_weight, freqs, positions, out_loc, kvcache):
-        return DIRECT["fused_k_norm_rope_flashmla"](*args)
-    torch.ops.dsv4.fused_k_norm_rope_flashmla.default(*args)
+    return _STORE_OP.run(kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size, kv_format)
 
 
 def quantize_store(
@@ -319,10 +286,7 @@ def quantize_store(
         page_size: tokens per page of ``kvcache``.
         kv_format: the cache's format (``layout.FORMATS``, default ``"v4"``).
     """
-    args = (kv, out_loc, kvcache, page_size, kv_format)
-    if _direct_call_allowed(kv, out_loc, kvcache):
-        return DIRECT["quantize_store"](*args)
-    torch.ops.dsv4.quantize_store.default(*args)
+    return _QUANTIZE_STORE_OP.run(kv, out_loc, kvcache, page_size, kv_format)
 
 
 def flash_mla_with_kvcache(
@@ -366,15 +330,11 @@ def flash_mla_with_kvcache(
     """
     if softmax_scale is None:
         softmax_scale = layout.HEAD_DIM**-0.5
-    args = (
+    return _DECODE_OP.run(
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, float(softmax_scale), head_dim_v, kv_format, extra_kv_format,
     )
-    if _direct_call_allowed(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
-                            extra_topk_length, tile_scheduler_metadata, num_splits):
-        return DIRECT["flash_mla_with_kvcache"](*args)
-    return torch.ops.dsv4.flash_mla_with_kvcache.default(*args)
 
 
 def flash_mla_sparse_fwd(
@@ -397,10 +357,7 @@ def flash_mla_sparse_fwd(
         attn_sink: ``[H]`` float32 sink logits, or ``None``.
         topk_length: ``[s_q]`` int32 counted entries per query, or ``None``.
     """
-    args = (q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
-    if _direct_call_allowed(q, kv, indices, attn_sink, topk_length):
-        return DIRECT["flash_mla_sparse_fwd"](*args)
-    return torch.ops.dsv4.flash_mla_sparse_fwd.default(*args)
+    return _PREFILL_OP.run(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
 
 
 def get_mla_metadata(
@@ -415,10 +372,7 @@ def get_mla_metadata(
     Depends on the shapes *and the length values*: compute it once per step, after the lengths
     are final, and share it between the layers of that step. Empty on devices without a scheduler.
     """
-    args = (q, indices, topk_length, extra_indices, extra_topk_length)
-    if _direct_call_allowed(*args):
-        return DIRECT["get_mla_metadata"](*args)
-    return torch.ops.dsv4.get_mla_metadata.default(*args)
+    return _METADATA_OP.run(q, indices, topk_length, extra_indices, extra_topk_length)
 
 
 def get_mla_metadata_stacked(
@@ -443,10 +397,7 @@ def get_mla_metadata_stacked(
         extra_topk: ``K`` extra index widths, 0 without an extra cache.
         extra_topk_length: ``K`` ``[B]`` int32 tensors or ``None`` (``None`` where ``extra_topk`` is 0).
     """
-    args = (q, list(topk), list(topk_length), list(extra_topk), list(extra_topk_length))
-    if _direct_call_allowed(q, *topk_length, *extra_topk_length):
-        return DIRECT["get_mla_metadata_stacked"](*args)
-    return torch.ops.dsv4.get_mla_metadata_stacked.default(*args)
+    return _METADATA_STACKED_OP.run(q, list(topk), list(topk_length), list(extra_topk), list(extra_topk_length))
 
 
 def indexer_logits(
@@ -467,10 +418,7 @@ def indexer_logits(
 
     Only the referenced rows of ``keys`` are read; a query's cost follows its visible blocks.
     """
-    args = (q, weights, keys, block_slots)
-    if _direct_call_allowed(*args):
-        return DIRECT["indexer_logits"](*args)
-    return torch.ops.dsv4.indexer_logits.default(*args)
+    return _INDEXER_LOGITS_OP.run(q, weights, keys, block_slots)
 
 
 def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -483,10 +431,7 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
         logits: ``[T, M]`` float32 (``-inf``: a block the row does not see).
         k: ``0 <= k <= M`` columns per row.
     """
-    args = (logits, k)
-    if _direct_call_allowed(logits):
-        return DIRECT["indexer_topk"](*args)
-    return torch.ops.dsv4.indexer_topk.default(*args)
+    return _INDEXER_TOPK_OP.run(logits, k)
 
 
 def rope_(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> None:
@@ -504,7 +449,4 @@ def rope_(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse
         positions: ``[T]`` int32/int64 in ``[0, max_pos)``.
         inverse: rotate by ``-angle`` (DSV4's output path undoes the keys' rotation).
     """
-    args = (x, freqs, positions, inverse)
-    if _direct_call_allowed(x, freqs, positions):
-        return DIRECT["rope_"](*args)
-    return torch.ops.dsv4.rope_.default(*args)
+    return _ROPE_OP.run(x, freqs, positions, inverse)

@@ -1,0 +1,134 @@
+"""Where an op's declaration becomes the op: :func:`define` takes one :class:`OpSpec` and registers
+it in the ``dsv4`` namespace.
+
+For each op, :func:`define` registers the schema (``Library.define``), the fake, and one kernel per
+dispatch key: ``CPU``, ``CUDA``, ``XPU`` and ``CompositeExplicitAutograd`` for any other device,
+each :func:`dispatch.backend_kernel`'s trampoline into the provider that serves the call, and an
+``Autograd`` fallthrough (the ops have no backward; the trampoline rejects inputs that require
+grad). It adds the op to ``dispatch.OPS`` and returns its :class:`Op`, whose :attr:`Op.run` the
+public wrapper calls. Whatever a call needs of the schema (defaults, which arguments are tensors or
+may require grad) is derived here, once.
+
+The op modules (``store``, ``decode``, ...) import this module; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from .. import dispatch
+
+NAMESPACE = "dsv4"
+#: Each op's schema, by name, as defined (tests/test_schemas.py pins them).
+SCHEMAS: dict[str, str] = {}
+#: Each defined op, by name.
+DEFINED: dict[str, Op] = {}
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_TENSOR = torch._C.OptionalType.ofTensor()  # Tensor and Tensor? are its subtypes
+
+
+class NoCall(NamedTuple):
+    """The call signature of ops whose providers have no per-call rule."""
+
+
+def _no_fields(*args) -> tuple:
+    return ()
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op, as its module declares it. Every function takes the op's arguments by name, in schema
+    order (:func:`define` checks the names against the schema)."""
+
+    #: the schema, without the namespace: ``"name(Tensor q, ...) -> (...)"``; the contract
+    schema: str
+    #: the fake (meta) kernel: the metadata checks, then empty outputs of the op's geometry
+    fake: Callable
+    #: the metadata checks (dtypes, shapes, devices, geometry; no data read): every call, in the
+    #: fake too; they raise naming the argument, the expected and the actual value
+    check: Callable
+    #: the data checks (values in range; a device sync on a GPU): in checked mode, and always
+    #: before a provider that indexes with the values (``Provider.checks_data``)
+    check_data: Callable
+    #: the floating-point inputs, the ones that could require grad: a call under grad mode with
+    #: one that does is an error naming it (the ops are inference-only)
+    float_inputs: tuple[str, ...] = ()
+    #: the call signature: what provider rules (``dispatch.Rule``) may read of a call (page sizes,
+    #: page strides, formats); resolutions are cached per signature
+    call: type = NoCall
+    #: the fields of ``call`` from the op's arguments, as a plain tuple (``None``: no fields)
+    call_fields: Callable | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """A defined op: its spec and what :func:`define` derived from it."""
+
+    name: str
+    spec: OpSpec
+    overload: torch._ops.OpOverload  # torch.ops.dsv4.<name>.default
+    defaults: tuple  # per argument, its schema default (None where it has none)
+    #: the kernel the dispatcher reaches for tensors of any device type (``dispatch.backend_kernel``)
+    direct: Callable
+    #: ``run(*args)`` (schema order, defaults included): the op's call from its Python wrapper;
+    #: :attr:`direct` in plain eager use (``dispatch.direct_call_allowed``), else :attr:`overload`
+    run: Callable
+
+    def signature(self, args: tuple):
+        """The call signature (``spec.call``) of a call with ``args``, in schema order."""
+        fields = self.spec.call_fields
+        return self.spec.call(*(fields(*args) if fields else ()))
+
+
+def define(spec: OpSpec) -> Op:
+    """Define the op ``spec`` declares, with its fake and kernels (module docstring); its :class:`Op`."""
+    _lib.define(spec.schema)
+    name = spec.schema.split("(", 1)[0]
+    overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+    arguments = overload._schema.arguments
+    names = tuple(a.name for a in arguments)
+    for role in ("fake", "check", "check_data", "call_fields"):
+        fn = getattr(spec, role)
+        if fn is not None and tuple(inspect.signature(fn).parameters) != names:
+            raise TypeError(f"dsv4.{name}: OpSpec.{role} must take the op's arguments {names}, "
+                            f"got {tuple(inspect.signature(fn).parameters)}")
+    unknown = set(spec.float_inputs) - set(names)
+    if unknown:
+        raise TypeError(f"dsv4.{name}: OpSpec.float_inputs names no argument: {sorted(unknown)}")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", spec.fake, lib=_lib)
+
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+    grad_args = tuple((i, arg) for i, arg in enumerate(names) if arg in spec.float_inputs)
+    parts = (defaults, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
+    dispatch.register_op(name)
+    for key in ("CPU", "CUDA", "XPU"):
+        _lib.impl(name, dispatch.backend_kernel(name, key.lower(), *parts), key)
+    direct = dispatch.backend_kernel(name, None, *parts)
+    _lib.impl(name, direct, "CompositeExplicitAutograd")
+    # No backward: autograd falls through to the kernels above, which reject inputs requiring grad.
+    _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
+
+    tensors = tuple(i for i, a in enumerate(arguments) if a.type.isSubtypeOf(_TENSOR))
+    tensor_lists = tuple(
+        i for i, a in enumerate(arguments)
+        if isinstance(a.type, torch.ListType) and a.type.getElementType().isSubtypeOf(_TENSOR)
+    )
+    SCHEMAS[name] = spec.schema
+    op = DEFINED[name] = Op(name, spec, overload, defaults, direct, _runner(direct, overload, tensors, tensor_lists))
+    return op
+
+
+def _runner(direct: Callable, overload, tensors: tuple[int, ...], tensor_lists: tuple[int, ...]) -> Callable:
+    allowed = dispatch.direct_call_allowed
+
+    def run(*args):
+        if allowed(args, tensors, tensor_lists):
+            return direct(*args)
+        return overload(*args)
+
+    return run
