@@ -225,25 +225,24 @@ def counted_mask(indices: torch.Tensor, topk_length: torch.Tensor | None) -> tor
     return j < lengths
 
 
+#: The dtypes the ops' checks accept (:meth:`Checker.tensor`'s ``dtypes``).
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # stored keys, rotated tensors
+INDEX_DTYPES = (torch.int32, torch.int64)  # slots, positions
+BF16 = (torch.bfloat16,)
+F32 = (torch.float32,)
+I32 = (torch.int32,)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-op checks. ``check_<op>`` (metadata) returns the sizes the fake and the kernels need;
 # ``check_<op>_data`` reads values (a device sync on a GPU).
 # --------------------------------------------------------------------------------------------
 
-_STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_BF16 = (torch.bfloat16,)
-_F32 = (torch.float32,)
-_I32 = (torch.int32,)
-_STORE_TENSORS = ("kv", "kv_weight", "freqs", "positions", "out_loc", "kvcache")
 _DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
                    "extra_topk_length", "tile_scheduler_metadata", "num_splits")
 _PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
 _METADATA_TENSORS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
-_QUANTIZE_STORE_TENSORS = ("kv", "out_loc", "kvcache")
 _INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
-_STORE = Checker("fused_k_norm_rope_flashmla")
-_QUANTIZE_STORE = Checker("quantize_store")
 _DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
 _METADATA = Checker("get_mla_metadata")
@@ -257,48 +256,6 @@ _ROPE_TENSORS = ("x", "freqs", "positions")
 MAX_INDEX_HEAD_DIM = 512
 
 
-def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> int:
-    c = _STORE
-    c.same_device(_STORE_TENSORS, kv, kv_weight, freqs, positions, out_loc, kvcache)
-    num_tokens = c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))[0]
-    if kv.stride(1) != 1:
-        c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
-    c.tensor("kv_weight", kv_weight, (kv.dtype,), (layout.HEAD_DIM,))
-    c.tensor("freqs", freqs, _F32, (None, layout.ROPE_DIM))
-    c.tensor("positions", positions, _INDEX_DTYPES, (num_tokens,))
-    c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
-    c.cache("kvcache", kvcache, c.positive_int("page_size", page_size), c.kv_format("kv_format", kv_format))
-    if type(eps) is not float or not eps >= 0.0:
-        c.fail("eps", "a non-negative float", eps)
-    return num_tokens
-
-
-def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> None:
-    if kv.shape[0] == 0:
-        return
-    c = _STORE
-    c.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
-    lo, hi = int(positions.min()), int(positions.max())
-    if lo < 0 or hi >= freqs.shape[0]:
-        c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
-
-
-def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4") -> int:
-    c = _QUANTIZE_STORE
-    c.same_device(_QUANTIZE_STORE_TENSORS, kv, out_loc, kvcache)
-    num_tokens = c.tensor("kv", kv, _STORE_DTYPES, (None, layout.HEAD_DIM))[0]
-    if kv.stride(1) != 1:
-        c.fail("kv", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(kv.stride())}")
-    c.tensor("out_loc", out_loc, _INDEX_DTYPES, (num_tokens,))
-    c.cache("kvcache", kvcache, c.positive_int("page_size", page_size), c.kv_format("kv_format", kv_format))
-    return num_tokens
-
-
-def check_quantize_store_data(kv, out_loc, kvcache, page_size, kv_format="v4") -> None:
-    if kv.shape[0]:
-        _QUANTIZE_STORE.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
-
-
 def check_decode(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -309,17 +266,17 @@ def check_decode(
         _DECODE_TENSORS, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
         extra_topk_length, tile_scheduler_metadata, num_splits,
     )
-    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
+    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
     c.positive_int("page_size", page_size)
     fmt = c.kv_format("kv_format", kv_format)
     if fmt.values == "fp4":
         c.fail("kv_format", "an FP8 format for the main cache (FP4 serves only as the extra cache)", kv_format)
     c.cache("k_cache", k_cache, page_size, fmt)
-    c.width("indices", indices, c.tensor("indices", indices, _I32, (batch, s_q, None)))
+    c.width("indices", indices, c.tensor("indices", indices, I32, (batch, s_q, None)))
     if topk_length is not None:
-        c.tensor("topk_length", topk_length, _I32, (batch,))
+        c.tensor("topk_length", topk_length, I32, (batch,))
     if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink, _F32, (heads,))
+        c.tensor("attn_sink", attn_sink, F32, (heads,))
     if extra_k_cache is None:
         for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length),
                            ("extra_kv_format", extra_kv_format)):
@@ -334,17 +291,17 @@ def check_decode(
         c.cache("extra_k_cache", extra_k_cache, extra_page_size, extra_fmt)
         if extra_indices is None:
             c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
-        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None)))
+        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, I32, (batch, s_q, None)))
         if extra_topk_length is not None:
-            c.tensor("extra_topk_length", extra_topk_length, _I32, (batch,))
+            c.tensor("extra_topk_length", extra_topk_length, I32, (batch,))
     if (tile_scheduler_metadata is None) != (num_splits is None):
         c.fail(
             "tile_scheduler_metadata/num_splits", "both None or both tensors (from get_mla_metadata)",
             (tile_scheduler_metadata, num_splits),
         )
     if tile_scheduler_metadata is not None:
-        c.tensor("tile_scheduler_metadata", tile_scheduler_metadata, _I32, (None,) * tile_scheduler_metadata.dim())
-        c.tensor("num_splits", num_splits, _I32, (None,) * num_splits.dim())
+        c.tensor("tile_scheduler_metadata", tile_scheduler_metadata, I32, (None,) * tile_scheduler_metadata.dim())
+        c.tensor("num_splits", num_splits, I32, (None,) * num_splits.dim())
     if head_dim_v != layout.HEAD_DIM:
         c.fail("head_dim_v", f"{layout.HEAD_DIM} (V is the full key)", head_dim_v)
     if type(softmax_scale) is not float:
@@ -369,15 +326,15 @@ def check_decode_data(
 def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
     c = _PREFILL
     c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
-    s_q, heads, d_qk = c.tensor("q", q, _BF16, (None, None, None))
+    s_q, heads, d_qk = c.tensor("q", q, BF16, (None, None, None))
     if d_qk not in layout.PREFILL_QK_DIMS:
         c.fail("q", f"bfloat16 [s_q, H, d_qk] with d_qk in {layout.PREFILL_QK_DIMS}", q)
-    c.tensor("kv", kv, _BF16, (None, 1, d_qk))
-    c.width("indices", indices, c.tensor("indices", indices, _I32, (s_q, 1, None)))
+    c.tensor("kv", kv, BF16, (None, 1, d_qk))
+    c.width("indices", indices, c.tensor("indices", indices, I32, (s_q, 1, None)))
     if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink, _F32, (heads,))
+        c.tensor("attn_sink", attn_sink, F32, (heads,))
     if topk_length is not None:
-        c.tensor("topk_length", topk_length, _I32, (s_q,))
+        c.tensor("topk_length", topk_length, I32, (s_q,))
     if d_v != layout.HEAD_DIM:
         c.fail("d_v", f"{layout.HEAD_DIM} (V is the key's first 512 dims)", d_v)
     if type(sm_scale) is not float:
@@ -392,16 +349,16 @@ def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) ->
 def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
     c = _METADATA
     c.same_device(_METADATA_TENSORS, q, indices, topk_length, extra_indices, extra_topk_length)
-    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
-    c.width("indices", indices, c.tensor("indices", indices, _I32, (batch, s_q, None)))
+    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
+    c.width("indices", indices, c.tensor("indices", indices, I32, (batch, s_q, None)))
     if topk_length is not None:
-        c.tensor("topk_length", topk_length, _I32, (batch,))
+        c.tensor("topk_length", topk_length, I32, (batch,))
     if extra_indices is not None:
-        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, _I32, (batch, s_q, None)))
+        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, I32, (batch, s_q, None)))
     elif extra_topk_length is not None:
         c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
     if extra_topk_length is not None:
-        c.tensor("extra_topk_length", extra_topk_length, _I32, (batch,))
+        c.tensor("extra_topk_length", extra_topk_length, I32, (batch,))
     return batch, s_q, heads
 
 
@@ -414,7 +371,7 @@ def check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length) 
     :func:`check_metadata`'s call with indices ``topk[k]`` wide and extra indices
     ``extra_topk[k]`` wide (0: none)."""
     c = _METADATA_STACKED
-    batch, s_q, heads, _ = c.tensor("q", q, _BF16, (None, None, None, layout.HEAD_DIM))
+    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
     lists = {"topk": topk, "topk_length": topk_length, "extra_topk": extra_topk, "extra_topk_length": extra_topk_length}
     for name, value in lists.items():
         if not isinstance(value, (list, tuple)):
@@ -431,7 +388,7 @@ def check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length) 
                 c.fail(f"{name}[{k}]", f"an int in [0, {MAX_INDEX_WIDTH}] (an index width)", width)
         for name in ("topk_length", "extra_topk_length"):
             if lists[name][k] is not None:
-                c.tensor(f"{name}[{k}]", lists[name][k], _I32, (batch,))
+                c.tensor(f"{name}[{k}]", lists[name][k], I32, (batch,))
         if extra_topk[k] == 0 and extra_topk_length[k] is not None:
             c.fail(f"extra_topk_length[{k}]", f"None when extra_topk[{k}] is 0 (no extra cache)", extra_topk_length[k])
     return batch, s_q, heads, count
@@ -444,12 +401,12 @@ def check_metadata_stacked_data(q, topk, topk_length, extra_topk, extra_topk_len
 def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
     c = _INDEXER
     c.same_device(_INDEXER_TENSORS, q, weights, keys, block_slots)
-    tokens, heads, dim = c.tensor("q", q, _F32, (None, None, None))
+    tokens, heads, dim = c.tensor("q", q, F32, (None, None, None))
     if not 1 <= dim <= MAX_INDEX_HEAD_DIM:
         c.fail("q", f"float32 [T, H, D] with 1 <= D <= {MAX_INDEX_HEAD_DIM}", q)
-    c.tensor("weights", weights, _F32, (tokens, heads))
-    c.tensor("keys", keys, _F32, (None, dim))
-    width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, _INDEX_DTYPES, (tokens, None)))
+    c.tensor("weights", weights, F32, (tokens, heads))
+    c.tensor("keys", keys, F32, (None, dim))
+    width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, INDEX_DTYPES, (tokens, None)))
     return tokens, heads, width
 
 
@@ -459,7 +416,7 @@ def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
 
 def check_indexer_topk(logits, k) -> tuple[int, int]:
     c = _TOPK
-    width = c.width("logits", logits, c.tensor("logits", logits, _F32, (None, None)))
+    width = c.width("logits", logits, c.tensor("logits", logits, F32, (None, None)))
     if type(k) is not int or not 0 <= k <= width:  # bool is no int here
         c.fail("k", f"an int in [0, {width}] (logits.shape[1])", k)
     return logits.shape[0], width
@@ -473,7 +430,7 @@ def check_rope(x, freqs, positions, inverse=False) -> int:
     c = _ROPE
     c.same_device(_ROPE_TENSORS, x, freqs, positions)
     expected = f"bfloat16/float16/float32 [T, D] or [T, H, D] with D >= {layout.ROPE_DIM}"
-    if not isinstance(x, torch.Tensor) or x.dtype not in _STORE_DTYPES:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         c.fail("x", f"a tensor {expected}", x, TypeError)
     size = x.shape
     if x.dim() not in (2, 3) or size[-1] < layout.ROPE_DIM:
@@ -487,8 +444,8 @@ def check_rope(x, freqs, positions, inverse=False) -> int:
         if stride < extent:
             c.fail("x", "rows that do not overlap (it is written in place)", f"strides {tuple(x.stride())}")
         extent = stride * n
-    c.tensor("freqs", freqs, _F32, (None, layout.ROPE_DIM))
-    c.tensor("positions", positions, _INDEX_DTYPES, (size[0],))
+    c.tensor("freqs", freqs, F32, (None, layout.ROPE_DIM))
+    c.tensor("positions", positions, INDEX_DTYPES, (size[0],))
     if type(inverse) is not bool:
         c.fail("inverse", "a bool", inverse, TypeError)
     return size[0]

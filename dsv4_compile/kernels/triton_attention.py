@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import checks, dispatch, layout, ops
+from .. import dispatch, layout, ops
 from ..ops import registry
 from . import reference, triton_common
 
@@ -855,8 +855,9 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     return triton_common.inlines(op, device, args, KERNELS[op], _decode_kernel)
 
 
-def _functional_rule(op: str, launch, check):
-    defaults = registry.DEFINED[op].defaults
+def _functional_rule(op: str, launch):
+    defined = registry.DEFINED[op]
+    defaults, check = defined.defaults, defined.spec.check
 
     def rule(mode, op_overload, types, args, kwargs):
         args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
@@ -874,10 +875,9 @@ def _decode_traced(kernels, *args):
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
-for _op, _launch, _check in ((DECODE, _decode_traced, checks.check_decode),
-                             (PREFILL, _prefill, checks.check_prefill)):
+for _op, _launch in ((DECODE, _decode_traced), (PREFILL, _prefill)):
     torch.library.register_torch_dispatch(
-        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _launch, _check), lib=_lib
+        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _launch), lib=_lib
     )
 for _op, _names in ((DECODE, ("_decode_kernel", "_combine_kernel")), (PREFILL, ("_prefill_kernel",))):
     triton_common.register_cache_key(

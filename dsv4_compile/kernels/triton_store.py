@@ -38,7 +38,7 @@ import functools
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import checks, dispatch, layout
+from .. import dispatch, layout
 from ..ops import registry
 from . import triton_common
 
@@ -506,8 +506,9 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     return triton_common.inlines(op, device, args, KERNELS[op], _store_kernel)
 
 
-def _functional_rule(op_name: str, check, launch_arguments):
-    defaults = registry.DEFINED[op_name].defaults
+def _functional_rule(op_name: str, launch_arguments):
+    defined = registry.DEFINED[op_name]
+    defaults, check = defined.defaults, defined.spec.check
 
     def rule(mode, op, types, args, kwargs):
         """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
@@ -528,12 +529,9 @@ def _functional_rule(op_name: str, check, launch_arguments):
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
-for _op, _check, _arguments in (
-    (OP, checks.check_store, lambda *args: (*args, True)),
-    (PLAIN, checks.check_quantize_store, _plain_arguments),
-):
+for _op, _arguments in ((OP, lambda *args: (*args, True)), (PLAIN, _plain_arguments)):
     torch.library.register_torch_dispatch(
-        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _check, _arguments), lib=_lib
+        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _arguments), lib=_lib
     )
     triton_common.register_cache_key(_op, triton_common.InlinedKernels(
         functools.partial(inlines, _op), ("_store_kernel", "_store_v41_kernel"), globals()))

@@ -16,6 +16,7 @@ import torch
 
 from .. import checks, dispatch, layout
 from .registry import SCHEMAS, OpSpec, define  # noqa: F401 (SCHEMAS: re-exported)
+from .store import fused_k_norm_rope_flashmla, quantize_store  # noqa: F401 (defined first: dsv4.OPS order)
 
 # --------------------------------------------------------------------------------------------
 # Output geometry, shared by the fakes and the kernels: one definition of what each op returns.
@@ -72,14 +73,6 @@ def indexer_topk_output(logits: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
-    checks.check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format)
-
-
-def _quantize_store_fake(kv, out_loc, kvcache, page_size, kv_format="v4"):
-    checks.check_quantize_store(kv, out_loc, kvcache, page_size, kv_format)
-
-
 def _decode_fake(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -127,14 +120,6 @@ def _rope_fake(x, freqs, positions, inverse=False):
 # --------------------------------------------------------------------------------------------
 
 
-class StoreCall(NamedTuple):
-    """What a provider's rule may look at in a store call (either store op)."""
-
-    page_size: int
-    page_stride: int
-    kv_format: str
-
-
 class DecodeCall(NamedTuple):
     """What a provider's rule may look at in a decode call (``extra_*``: 0 / ``None`` without an
     extra cache; ``extra_kv_format`` resolved: the main format when not given)."""
@@ -147,14 +132,6 @@ class DecodeCall(NamedTuple):
     extra_kv_format: str | None
 
 
-def _store_call(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format):
-    return page_size, kvcache.stride(0), kv_format
-
-
-def _quantize_store_call(kv, out_loc, kvcache, page_size, kv_format):
-    return page_size, kvcache.stride(0), kv_format
-
-
 def _decode_call(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -165,22 +142,6 @@ def _decode_call(
     return page_size, k_cache.stride(0), extra_page_size, extra_k_cache.stride(0), kv_format, extra_kv_format or kv_format
 
 
-_STORE_OP = define(OpSpec(
-    schema=(
-        "fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format=\"v4\") -> ()"
-    ),
-    fake=_store_fake, check=checks.check_store, check_data=checks.check_store_data,
-    float_inputs=("kv", "kv_weight", "freqs"), call=StoreCall, call_fields=_store_call,
-))
-_QUANTIZE_STORE_OP = define(OpSpec(
-    schema=(
-        "quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, "
-        "str kv_format=\"v4\") -> ()"
-    ),
-    fake=_quantize_store_fake, check=checks.check_quantize_store, check_data=checks.check_quantize_store_data,
-    float_inputs=("kv",), call=StoreCall, call_fields=_quantize_store_call,
-))
 _DECODE_OP = define(OpSpec(
     schema=(
         "flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, "
@@ -239,54 +200,6 @@ dispatch.reset()  # read the environment: DSV4_COMPILE_PROVIDER may name any op 
 # --------------------------------------------------------------------------------------------
 # Public wrappers: keyword-friendly, upstream names, one call of the op each.
 # --------------------------------------------------------------------------------------------
-
-
-def fused_k_norm_rope_flashmla(
-    kv: torch.Tensor,
-    kv_weight: torch.Tensor,
-    freqs: torch.Tensor,
-    positions: torch.Tensor,
-    out_loc: torch.Tensor,
-    kvcache: torch.Tensor,
-    eps: float,
-    page_size: int,
-    kv_format: str = "v4",
-) -> None:
-    """RMSNorm ``kv`` (weight ``kv_weight``), RoPE its dims 448..511, quantize, store at ``out_loc``.
-
-    Args:
-        kv: ``[T, 512]`` bf16/fp16/fp32 keys, last dim contiguous.
-        kv_weight: ``[512]`` RMSNorm weight, dtype of ``kv``.
-        freqs: the real ``float32 [max_pos, 64]`` table ``(cos_0, sin_0, cos_1, ...)`` or the
-            complex ``freqs_cis [max_pos, 32]``.
-        positions: ``[T]`` int32/int64 rows of ``freqs``.
-        out_loc: ``[T]`` int32/int64 slots ``page * page_size + offset``; below 0: skipped.
-        kvcache: the uint8 base cache (:func:`dsv4_compile.alloc_cache`), written in place.
-        eps: the RMSNorm epsilon.
-        page_size: tokens per page of ``kvcache``.
-        kv_format: the cache's format (``layout.FORMATS``): ``"v4"`` (default) or a V4.1 one
-            (norm, bf16, RoPE, bf16, then all 512 dims quantized).
-    """
-    if isinstance(freqs, torch.Tensor) and freqs.is_complex():
-        freqs = torch.view_as_real(freqs).flatten(-2).float()
-    return _STORE_OP.run(kv, kv_weight, freqs, positions, out_loc, kvcache, float(eps), page_size, kv_format)
-
-
-def quantize_store(
-    kv: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, kv_format: str = "v4",
-) -> None:
-    """Quantize ``kv`` as it is (no norm, no RoPE) and store it at ``out_loc``: for caches the
-    model fills itself, e.g. the compressed (FP4) caches of DSV4.1.
-
-    Args:
-        kv: ``[T, 512]`` bf16/fp16/fp32 values, last dim contiguous (V4: dims 448..511 are stored
-            as bf16).
-        out_loc: ``[T]`` int32/int64 slots; below 0: skipped.
-        kvcache: the uint8 base cache, written in place.
-        page_size: tokens per page of ``kvcache``.
-        kv_format: the cache's format (``layout.FORMATS``, default ``"v4"``).
-    """
-    return _QUANTIZE_STORE_OP.run(kv, out_loc, kvcache, page_size, kv_format)
 
 
 def flash_mla_with_kvcache(
