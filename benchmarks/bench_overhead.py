@@ -41,6 +41,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import dispatch, layout, ops
+from dsv4_compile.ops.decode import decode_outputs
 
 SCALE = layout.HEAD_DIM**-0.5
 
@@ -186,7 +187,7 @@ def cpu_stub_calls() -> dict:
     ))
 
     def decode(q, cache, idx, lengths, sink, ecache, eidx, elen):
-        outputs["decode"] = (*ops.decode_outputs(q, 512), None, None)
+        outputs["decode"] = (*decode_outputs(q, 512), None, None)
         view, eview = d4.flashmla_view(cache, 256), d4.flashmla_view(ecache, 64)
         return {"raw_op": lambda: decode_op(q, view, idx, lengths, sink, None, None, eview, eidx, elen, 512, SCALE)}
 

@@ -238,15 +238,9 @@ I32 = (torch.int32,)
 # ``check_<op>_data`` reads values (a device sync on a GPU).
 # --------------------------------------------------------------------------------------------
 
-_DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
-                   "extra_topk_length", "tile_scheduler_metadata", "num_splits")
 _PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
-_METADATA_TENSORS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
 _INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
-_DECODE = Checker("flash_mla_with_kvcache")
 _PREFILL = Checker("flash_mla_sparse_fwd")
-_METADATA = Checker("get_mla_metadata")
-_METADATA_STACKED = Checker("get_mla_metadata_stacked")
 _INDEXER = Checker("indexer_logits")
 _TOPK = Checker("indexer_topk")
 _ROPE = Checker("rope_")
@@ -254,73 +248,6 @@ _ROPE_TENSORS = ("x", "freqs", "positions")
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
 MAX_INDEX_HEAD_DIM = 512
-
-
-def check_decode(
-    q, k_cache, page_size, indices, topk_length, attn_sink,
-    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
-) -> tuple[int, int, int]:
-    c = _DECODE
-    c.same_device(
-        _DECODE_TENSORS, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
-        extra_topk_length, tile_scheduler_metadata, num_splits,
-    )
-    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
-    c.positive_int("page_size", page_size)
-    fmt = c.kv_format("kv_format", kv_format)
-    if fmt.values == "fp4":
-        c.fail("kv_format", "an FP8 format for the main cache (FP4 serves only as the extra cache)", kv_format)
-    c.cache("k_cache", k_cache, page_size, fmt)
-    c.width("indices", indices, c.tensor("indices", indices, I32, (batch, s_q, None)))
-    if topk_length is not None:
-        c.tensor("topk_length", topk_length, I32, (batch,))
-    if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink, F32, (heads,))
-    if extra_k_cache is None:
-        for arg, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length),
-                           ("extra_kv_format", extra_kv_format)):
-            if value is not None:
-                c.fail(arg, "None when extra_k_cache is None", value)
-    else:
-        c.positive_int("extra_page_size", extra_page_size)
-        extra_fmt = fmt if extra_kv_format is None else c.kv_format("extra_kv_format", extra_kv_format)
-        if extra_fmt.is_v4 != fmt.is_v4:
-            c.fail("extra_kv_format", f"a {'V4' if fmt.is_v4 else 'V4.1'} format like kv_format={fmt.name!r}",
-                   extra_fmt.name)
-        c.cache("extra_k_cache", extra_k_cache, extra_page_size, extra_fmt)
-        if extra_indices is None:
-            c.fail("extra_indices", "an int32 [B, s_q, K2] tensor when extra_k_cache is given", None)
-        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, I32, (batch, s_q, None)))
-        if extra_topk_length is not None:
-            c.tensor("extra_topk_length", extra_topk_length, I32, (batch,))
-    if (tile_scheduler_metadata is None) != (num_splits is None):
-        c.fail(
-            "tile_scheduler_metadata/num_splits", "both None or both tensors (from get_mla_metadata)",
-            (tile_scheduler_metadata, num_splits),
-        )
-    if tile_scheduler_metadata is not None:
-        c.tensor("tile_scheduler_metadata", tile_scheduler_metadata, I32, (None,) * tile_scheduler_metadata.dim())
-        c.tensor("num_splits", num_splits, I32, (None,) * num_splits.dim())
-    if head_dim_v != layout.HEAD_DIM:
-        c.fail("head_dim_v", f"{layout.HEAD_DIM} (V is the full key)", head_dim_v)
-    if type(softmax_scale) is not float:
-        c.fail("softmax_scale", "a float", softmax_scale, TypeError)
-    return batch, s_q, heads
-
-
-def check_decode_data(
-    q, k_cache, page_size, indices, topk_length, attn_sink,
-    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
-) -> None:
-    c = _DECODE
-    c.lengths_within("topk_length", topk_length, indices.shape[-1])
-    c.slots_valid("indices", indices, layout.capacity(k_cache, page_size), counted_mask(indices, topk_length))
-    if extra_k_cache is not None:
-        c.lengths_within("extra_topk_length", extra_topk_length, extra_indices.shape[-1])
-        c.slots_valid("extra_indices", extra_indices, layout.capacity(extra_k_cache, extra_page_size),
-                      counted_mask(extra_indices, extra_topk_length))
 
 
 def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
@@ -344,58 +271,6 @@ def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tupl
 
 def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> None:
     _PREFILL.lengths_within("topk_length", topk_length, indices.shape[-1])
-
-
-def check_metadata(q, indices, topk_length, extra_indices, extra_topk_length) -> tuple[int, int, int]:
-    c = _METADATA
-    c.same_device(_METADATA_TENSORS, q, indices, topk_length, extra_indices, extra_topk_length)
-    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
-    c.width("indices", indices, c.tensor("indices", indices, I32, (batch, s_q, None)))
-    if topk_length is not None:
-        c.tensor("topk_length", topk_length, I32, (batch,))
-    if extra_indices is not None:
-        c.width("extra_indices", extra_indices, c.tensor("extra_indices", extra_indices, I32, (batch, s_q, None)))
-    elif extra_topk_length is not None:
-        c.fail("extra_topk_length", "None when extra_indices is None", extra_topk_length)
-    if extra_topk_length is not None:
-        c.tensor("extra_topk_length", extra_topk_length, I32, (batch,))
-    return batch, s_q, heads
-
-
-def check_metadata_data(q, indices, topk_length, extra_indices, extra_topk_length) -> None:
-    """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
-
-
-def check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length) -> tuple[int, int, int, int]:
-    """``(batch, s_q, heads, count)``: ``count`` schedules, entry ``k`` that of
-    :func:`check_metadata`'s call with indices ``topk[k]`` wide and extra indices
-    ``extra_topk[k]`` wide (0: none)."""
-    c = _METADATA_STACKED
-    batch, s_q, heads, _ = c.tensor("q", q, BF16, (None, None, None, layout.HEAD_DIM))
-    lists = {"topk": topk, "topk_length": topk_length, "extra_topk": extra_topk, "extra_topk_length": extra_topk_length}
-    for name, value in lists.items():
-        if not isinstance(value, (list, tuple)):
-            c.fail(name, "a list", type(value).__name__, TypeError)
-        if len(value) != len(topk):
-            c.fail(name, f"a list of {len(topk)} entries (as topk)", f"{len(value)} entries")
-    count = len(topk)
-    c.same_device(("q", *(f"{name}[{k}]" for name in ("topk_length", "extra_topk_length") for k in range(count))),
-                  q, *topk_length, *extra_topk_length)
-    for k in range(count):
-        for name in ("topk", "extra_topk"):
-            width = lists[name][k]
-            if type(width) is not int or not 0 <= width <= MAX_INDEX_WIDTH:
-                c.fail(f"{name}[{k}]", f"an int in [0, {MAX_INDEX_WIDTH}] (an index width)", width)
-        for name in ("topk_length", "extra_topk_length"):
-            if lists[name][k] is not None:
-                c.tensor(f"{name}[{k}]", lists[name][k], I32, (batch,))
-        if extra_topk[k] == 0 and extra_topk_length[k] is not None:
-            c.fail(f"extra_topk_length[{k}]", f"None when extra_topk[{k}] is 0 (no extra cache)", extra_topk_length[k])
-    return batch, s_q, heads, count
-
-
-def check_metadata_stacked_data(q, topk, topk_length, extra_topk, extra_topk_length) -> None:
-    """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
 
 
 def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:

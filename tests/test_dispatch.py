@@ -10,6 +10,7 @@ import torch
 import dsv4_compile as d4
 from dsv4_compile import checks, dispatch
 from dsv4_compile.kernels import reference
+from dsv4_compile.ops.decode import decode_outputs, metadata_outputs
 
 from helpers import filled_cache, random_indices
 
@@ -162,13 +163,12 @@ def test_checked_mode_env_is_read_at_reset(monkeypatch):
 def test_data_checks_run_for_the_reference_and_in_checked_mode_only():
     """The reference indexes with the values: it always gets them checked; another provider only
     in checked mode (a device sync on a GPU)."""
-    from dsv4_compile import ops
 
     calls = []
 
     def decode(q, *args):
         calls.append(q)
-        return ops.decode_outputs(q, 512)
+        return decode_outputs(q, 512)
 
     dispatch.register_provider(dispatch.Provider("unchecked", "cpu", lambda d: {"flash_mla_with_kvcache": decode},
                                                  priority=10))
@@ -209,12 +209,11 @@ def test_compiled_metadata_runs_under_another_provider():
     """get_mla_metadata's outputs have one geometry per device type whatever the provider, so a
     step compiled while a scheduler provider served it runs under ``use_provider("reference")``
     (the reference returns zeros of that geometry; its decode ignores them)."""
-    from dsv4_compile import ops
 
     seen = []
 
     def scheduler(q, indices, topk_length, extra_indices, extra_topk_length):
-        meta, splits = ops.metadata_outputs(q)
+        meta, splits = metadata_outputs(q)
         return meta.fill_(7), splits.fill_(7)
 
     def decode(*args):

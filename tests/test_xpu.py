@@ -25,6 +25,7 @@ import sgl_kernel_xpu_standin
 from dsv4_compile import dispatch, layout, ops, tolerances
 from dsv4_compile.kernels import reference, triton_store
 from dsv4_compile.kernels import xpu as xpu_kernels
+from dsv4_compile.ops.decode import decode_outputs
 from helpers import (
     GARBAGE_BYTES,
     assert_calls_keep_no_new_tensor,
@@ -289,7 +290,7 @@ def test_decode_equals_reference(standin, heads, s_q, extra, lengths_and_sink):
     ref_out, ref_lse = padded_reference("flash_mla_with_kvcache", args)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
-    fake_out, fake_lse = ops.decode_outputs(args[0], layout.HEAD_DIM)  # the geometry the fake promises
+    fake_out, fake_lse = decode_outputs(args[0], layout.HEAD_DIM)  # the geometry the fake promises
     assert (out.shape, out.stride()) == (fake_out.shape, fake_out.stride())
     assert (lse.shape, lse.stride()) == (fake_lse.shape, fake_lse.stride())
 
@@ -526,7 +527,7 @@ def test_decode_on_xpu_matches_reference(heads, s_q):
     max_v = float(layout.gather_dequant(args[1], args[2], torch.arange(3 * args[2])).abs().max())
     assert_close_to_reference("out", out, ref_out, max_v)
     assert_close_to_reference("lse", lse, ref_lse)
-    assert lse.stride() == ops.decode_outputs(args[0], layout.HEAD_DIM)[1].stride()
+    assert lse.stride() == decode_outputs(args[0], layout.HEAD_DIM)[1].stride()
 
 
 @pytest.mark.xpu

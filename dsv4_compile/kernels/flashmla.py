@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import checks, dispatch, layout, ops
+from ..ops.decode import check_decode, decode_outputs, metadata_outputs
 from . import flashmla_schedule
 
 DECODE_TOPK_MULTIPLE = 64
@@ -145,7 +146,7 @@ class FlashMLAKernels:
         batch, s_q, heads = q.shape[:3]
         meta_shape, _ = metadata_shapes(q.device, batch, s_q, heads)
         if batch == 0 or s_q == 0 or not topk:  # FlashMLA refuses empty launches; the decode will not launch
-            return tuple(t.zero_() for t in ops.metadata_outputs(q, len(topk)))
+            return tuple(t.zero_() for t in metadata_outputs(q, len(topk)))
         widths = [_padded_widths(w, e or None) for w, e in zip(topk, extra_topk)]  # extra width 0: none
         if not self.own_schedule:
             found = [self._library_schedule(q, lengths, extra_lengths, width, extra_width)
@@ -206,7 +207,7 @@ class FlashMLAKernels:
             and _one_device(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
                             extra_topk_length, tile_scheduler_metadata, num_splits)
         ):
-            checks.check_decode(
+            check_decode(
                 q, k_cache, page_size, indices, topk_length, attn_sink,
                 extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
                 tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
@@ -216,7 +217,7 @@ class FlashMLAKernels:
         if extra_k_cache is not None and extra_kv is None:
             extra_kv = _view(extra_k_cache, extra_page_size, extra_kv_format or kv_format)
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
-            return ops.decode_outputs(q, head_dim_v)
+            return decode_outputs(q, head_dim_v)
         decode_op = self.decode_op
         if kv_format != "v4":  # V4.1 interleaved (the rule): the current kernels
             decode_op = self.v41_decode_op
@@ -241,7 +242,7 @@ class FlashMLAKernels:
                 extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
             )
             return out, lse
-        out, lse = ops.decode_outputs(q, head_dim_v)
+        out, lse = decode_outputs(q, head_dim_v)
         for start, stop, padded in _head_groups(heads):
             qg = _pad_heads(q, 2, start, stop, padded)
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from .. import dispatch, layout, ops
+from ..ops.decode import decode_outputs, metadata_outputs
 
 #: Upper bound on the bytes of temporaries (gathered keys, their dequantization, scores) one step
 #: of decode, prefill or the store holds at once (see :func:`_plan`); the outputs come on top.
@@ -265,7 +266,7 @@ def flash_mla_with_kvcache(
 ):
     batch, s_q, heads = q.shape[:3]
     rows = batch * s_q
-    out, lse = ops.decode_outputs(q, head_dim_v)  # [B, s_q, H, dv], [B, H, s_q]
+    out, lse = decode_outputs(q, head_dim_v)  # [B, s_q, H, dv], [B, H, s_q]
     if rows == 0:
         return out, lse
     # per cache: (cache, page size, format, slots [rows, K], lengths per query row [rows] or None)
@@ -291,15 +292,15 @@ def flash_mla_with_kvcache(
 
 
 def get_mla_metadata(q, indices, topk_length, extra_indices, extra_topk_length):
-    """No scheduler here: zeros of the device's metadata geometry (``ops.metadata_outputs``; empty
+    """No scheduler here: zeros of the device's metadata geometry (``metadata_outputs``; empty
     off CUDA), which the decode of every provider without a scheduler ignores."""
-    meta, splits = ops.metadata_outputs(q)
+    meta, splits = metadata_outputs(q)
     return meta.zero_(), splits.zero_()
 
 
 def get_mla_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length):
     """:func:`get_mla_metadata`'s zeros, ``len(topk)`` of them stacked."""
-    meta, splits = ops.metadata_outputs(q, len(topk))
+    meta, splits = metadata_outputs(q, len(topk))
     return meta.zero_(), splits.zero_()
 
 

@@ -72,6 +72,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from .. import dispatch, layout, ops
 from ..ops import registry
+from ..ops.decode import decode_outputs
 from . import reference, triton_common
 
 DECODE = "flash_mla_with_kvcache"
@@ -714,7 +715,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     """Allocate the outputs (and a workspace if split) and launch; ``kernels`` maps a jitted
     kernel to what is launched (itself, or its ``wrap_triton`` wrapper)."""
     batch, s_q, heads = q.shape[:3]
-    out, lse = ops.decode_outputs(q, head_dim_v)
+    out, lse = decode_outputs(q, head_dim_v)
     rows = batch * s_q
     if rows == 0:  # nothing to launch
         return out, lse

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops
+from ..ops.decode import decode_outputs
 from . import reference
 
 NAME = "sgl_kernel_xpu"
@@ -160,7 +161,7 @@ class _Adapters:
         rows = batch * s_q
         width = indices.shape[-1] + (0 if extra_k_cache is None else extra_indices.shape[-1])
         if rows == 0 or width == 0:  # every row is empty: out = 0, lse = +inf
-            out, lse = ops.decode_outputs(q, head_dim_v)
+            out, lse = decode_outputs(q, head_dim_v)
             return out.zero_(), lse.fill_(math.inf)
 
         padded = padded_heads(heads)
@@ -185,9 +186,9 @@ class _Adapters:
         )  # out_rows [B*s_q, 1, padded, dv], lse_rows [B*s_q, padded, 1]: rows in (b, s) order
         out_all = out_rows.view(batch, s_q, padded, head_dim_v)
         lse_all = lse_rows.view(batch, s_q, padded).transpose(1, 2)  # [B, padded, s_q]
-        if padded == heads:  # already the geometry of ops.decode_outputs: no copy
+        if padded == heads:  # already the geometry of decode_outputs: no copy
             return out_all, lse_all
-        out, lse = ops.decode_outputs(q, head_dim_v)
+        out, lse = decode_outputs(q, head_dim_v)
         out.copy_(out_all[:, :, :heads])
         lse.copy_(lse_all[:, :heads])
         return out, lse
