@@ -40,8 +40,9 @@ import time
 import torch
 
 import dsv4_compile as d4
-from dsv4_compile import dispatch, layout, ops
+from dsv4_compile import dispatch, layout
 from dsv4_compile.ops.decode import decode_outputs
+from dsv4_compile.ops.prefill import prefill_outputs
 
 SCALE = layout.HEAD_DIM**-0.5
 
@@ -192,7 +193,7 @@ def cpu_stub_calls() -> dict:
         return {"raw_op": lambda: decode_op(q, view, idx, lengths, sink, None, None, eview, eidx, elen, 512, SCALE)}
 
     def prefill(q, kv, idx, sink):
-        outputs["prefill"] = ops.prefill_outputs(q, 512)
+        outputs["prefill"] = prefill_outputs(q, 512)
         return {"raw_op": lambda: prefill_op(q, kv, idx, SCALE, 512, sink, None, False, True)}
 
     def store(*args):

@@ -238,9 +238,7 @@ I32 = (torch.int32,)
 # ``check_<op>_data`` reads values (a device sync on a GPU).
 # --------------------------------------------------------------------------------------------
 
-_PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
 _INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
-_PREFILL = Checker("flash_mla_sparse_fwd")
 _INDEXER = Checker("indexer_logits")
 _TOPK = Checker("indexer_topk")
 _ROPE = Checker("rope_")
@@ -248,29 +246,6 @@ _ROPE_TENSORS = ("x", "freqs", "positions")
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
 MAX_INDEX_HEAD_DIM = 512
-
-
-def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
-    c = _PREFILL
-    c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
-    s_q, heads, d_qk = c.tensor("q", q, BF16, (None, None, None))
-    if d_qk not in layout.PREFILL_QK_DIMS:
-        c.fail("q", f"bfloat16 [s_q, H, d_qk] with d_qk in {layout.PREFILL_QK_DIMS}", q)
-    c.tensor("kv", kv, BF16, (None, 1, d_qk))
-    c.width("indices", indices, c.tensor("indices", indices, I32, (s_q, 1, None)))
-    if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink, F32, (heads,))
-    if topk_length is not None:
-        c.tensor("topk_length", topk_length, I32, (s_q,))
-    if d_v != layout.HEAD_DIM:
-        c.fail("d_v", f"{layout.HEAD_DIM} (V is the key's first 512 dims)", d_v)
-    if type(sm_scale) is not float:
-        c.fail("sm_scale", "a float", sm_scale, TypeError)
-    return s_q, heads
-
-
-def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> None:
-    _PREFILL.lengths_within("topk_length", topk_length, indices.shape[-1])
 
 
 def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:

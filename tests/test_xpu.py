@@ -22,10 +22,11 @@ import torch
 
 import dsv4_compile  # noqa: F401  (registers the ops)
 import sgl_kernel_xpu_standin
-from dsv4_compile import dispatch, layout, ops, tolerances
+from dsv4_compile import dispatch, layout, tolerances
 from dsv4_compile.kernels import reference, triton_store
 from dsv4_compile.kernels import xpu as xpu_kernels
 from dsv4_compile.ops.decode import decode_outputs
+from dsv4_compile.ops.prefill import prefill_outputs
 from helpers import (
     GARBAGE_BYTES,
     assert_calls_keep_no_new_tensor,
@@ -396,7 +397,7 @@ def test_prefill_equals_reference_with_three_outputs(standin, heads, lengths_and
     only_call(standin, "flash_mla_sparse_fwd")  # served by sgl-kernel-xpu, not a fallback
     expected = padded_reference("flash_mla_sparse_fwd", args)
     assert len(result) == 3
-    fakes = ops.prefill_outputs(args[0], layout.HEAD_DIM)
+    fakes = prefill_outputs(args[0], layout.HEAD_DIM)
     for got, want, fake in zip(result, expected, fakes):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert (got.shape, got.stride()) == (fake.shape, fake.stride())

@@ -36,8 +36,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .. import checks, dispatch, layout, ops
+from .. import checks, dispatch, layout
 from ..ops.decode import check_decode, decode_outputs, metadata_outputs
+from ..ops.prefill import check_prefill, prefill_outputs
 from . import flashmla_schedule
 
 DECODE_TOPK_MULTIPLE = 64
@@ -267,14 +268,14 @@ class FlashMLAKernels:
             and width <= checks.MAX_INDEX_WIDTH and d_v == layout.HEAD_DIM and type(sm_scale) is float
             and _one_device(q, kv, indices, attn_sink, topk_length)
         ):
-            checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+            check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
         if s_q == 0 or s_kv == 0:  # nothing to attend; FlashMLA refuses empty launches
-            out, max_logits, lse = ops.prefill_outputs(q, d_v)
+            out, max_logits, lse = prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
         idx = _pad_width(indices, width, PREFILL_TOPK_MULTIPLE)
         if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
             return self._raw_prefill(q, kv, idx, sm_scale, attn_sink, topk_length)
-        out, max_logits, lse = ops.prefill_outputs(q, d_v)
+        out, max_logits, lse = prefill_outputs(q, d_v)
         for start, stop, padded in _head_groups(heads):
             qg = _pad_heads(q, 1, start, stop, padded)
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)

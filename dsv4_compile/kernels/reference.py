@@ -17,6 +17,7 @@ import torch
 
 from .. import dispatch, layout, ops
 from ..ops.decode import decode_outputs, metadata_outputs
+from ..ops.prefill import prefill_outputs
 
 #: Upper bound on the bytes of temporaries (gathered keys, their dequantization, scores) one step
 #: of decode, prefill or the store holds at once (see :func:`_plan`); the outputs come on top.
@@ -311,7 +312,7 @@ def get_mla_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     s_q, heads = q.shape[:2]
-    out, max_logits, lse = ops.prefill_outputs(q, d_v)
+    out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
     idx = indices[:, 0, :]  # [s_q, K]; one KV head

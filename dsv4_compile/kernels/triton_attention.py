@@ -70,9 +70,10 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import dispatch, layout, ops
+from .. import dispatch, layout
 from ..ops import registry
 from ..ops.decode import decode_outputs
+from ..ops.prefill import prefill_outputs
 from . import reference, triton_common
 
 DECODE = "flash_mla_with_kvcache"
@@ -769,7 +770,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
 
 def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     s_q, heads = q.shape[:2]
-    out, max_logits, lse = ops.prefill_outputs(q, d_v)
+    out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:  # nothing to launch
         return out, max_logits, lse
     config = prefill_config(q.device)

@@ -32,8 +32,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch, layout, ops
+from .. import dispatch, layout
 from ..ops.decode import decode_outputs
+from ..ops.prefill import prefill_outputs
 from . import reference
 
 NAME = "sgl_kernel_xpu"
@@ -196,7 +197,7 @@ class _Adapters:
     def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
         s_q, heads = q.shape[:2]
         if s_q == 0 or indices.shape[-1] == 0 or kv.shape[0] == 0:  # nothing to attend
-            out, max_logits, lse = ops.prefill_outputs(q, d_v)
+            out, max_logits, lse = prefill_outputs(q, d_v)
             return out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
 
         padded = padded_heads(heads)
@@ -211,7 +212,7 @@ class _Adapters:
         )  # [s_q, padded, d_v], [s_q, padded], [s_q, padded]
         if padded == heads:
             return out_p, max_logits_p, lse_p
-        out, max_logits, lse = ops.prefill_outputs(q, d_v)
+        out, max_logits, lse = prefill_outputs(q, d_v)
         out.copy_(out_p[:, :heads])
         max_logits.copy_(max_logits_p[:, :heads])
         lse.copy_(lse_p[:, :heads])

@@ -16,18 +16,11 @@ from .. import checks, dispatch, layout
 from .registry import SCHEMAS, OpSpec, define  # noqa: F401 (SCHEMAS: re-exported)
 from .store import fused_k_norm_rope_flashmla, quantize_store  # noqa: F401 (defined first: dsv4.OPS order)
 from .decode import flash_mla_with_kvcache, get_mla_metadata, get_mla_metadata_stacked  # noqa: F401
+from .prefill import flash_mla_sparse_fwd  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Output geometry, shared by the fakes and the kernels: one definition of what each op returns.
 # --------------------------------------------------------------------------------------------
-
-
-def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty ``out [s_q, H, d_v]`` bf16, ``max_logits`` and ``lse [s_q, H]`` fp32, contiguous."""
-    s_q, heads = q.shape[:2]
-    out = q.new_empty(s_q, heads, d_v)
-    max_logits = q.new_empty(s_q, heads, dtype=torch.float32)
-    return out, max_logits, torch.empty_like(max_logits)
 
 
 def indexer_logits_output(q: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
@@ -43,11 +36,6 @@ def indexer_topk_output(logits: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Fakes: the same metadata checks as the kernels, the same outputs' geometry.
 # --------------------------------------------------------------------------------------------
-
-
-def _prefill_fake(q, kv, indices, sm_scale, d_v=layout.HEAD_DIM, attn_sink=None, topk_length=None):
-    checks.check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    return prefill_outputs(q, d_v)
 
 
 def _indexer_logits_fake(q, weights, keys, block_slots):
@@ -69,15 +57,6 @@ def _rope_fake(x, freqs, positions, inverse=False):
 # --------------------------------------------------------------------------------------------
 
 
-_PREFILL_OP = define(OpSpec(
-    schema=(
-        "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
-        "Tensor? attn_sink=None, Tensor? topk_length=None) "
-        "-> (Tensor out, Tensor max_logits, Tensor lse)"
-    ),
-    fake=_prefill_fake, check=checks.check_prefill, check_data=checks.check_prefill_data,
-    float_inputs=("q", "kv", "attn_sink"),
-))
 _INDEXER_LOGITS_OP = define(OpSpec(
     schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
     fake=_indexer_logits_fake, check=checks.check_indexer_logits, check_data=checks.check_indexer_logits_data,
@@ -100,29 +79,6 @@ dispatch.reset()  # read the environment: DSV4_COMPILE_PROVIDER may name any op 
 # --------------------------------------------------------------------------------------------
 # Public wrappers: keyword-friendly, upstream names, one call of the op each.
 # --------------------------------------------------------------------------------------------
-
-
-def flash_mla_sparse_fwd(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = layout.HEAD_DIM,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse prefill over a bf16 workspace; returns ``(out, max_logits, lse)`` (natural log).
-
-    Args:
-        q: ``[s_q, H, 512]`` bf16 queries.
-        kv: ``[s_kv, 1, 512]`` bf16 workspace (e.g. :func:`dsv4_compile.dequant_workspace`).
-        indices: ``[s_q, 1, K]`` int32 rows of ``kv``; ``< 0`` or ``>= s_kv``: holes.
-        sm_scale: the softmax scale.
-        d_v: 512 (V is the full key).
-        attn_sink: ``[H]`` float32 sink logits, or ``None``.
-        topk_length: ``[s_q]`` int32 counted entries per query, or ``None``.
-    """
-    return _PREFILL_OP.run(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
 
 
 def indexer_logits(
