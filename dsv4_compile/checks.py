@@ -238,44 +238,8 @@ I32 = (torch.int32,)
 # ``check_<op>_data`` reads values (a device sync on a GPU).
 # --------------------------------------------------------------------------------------------
 
-_INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
-_INDEXER = Checker("indexer_logits")
-_TOPK = Checker("indexer_topk")
 _ROPE = Checker("rope_")
 _ROPE_TENSORS = ("x", "freqs", "positions")
-#: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
-#: DSV4's is 128.
-MAX_INDEX_HEAD_DIM = 512
-
-
-def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
-    c = _INDEXER
-    c.same_device(_INDEXER_TENSORS, q, weights, keys, block_slots)
-    tokens, heads, dim = c.tensor("q", q, F32, (None, None, None))
-    if not 1 <= dim <= MAX_INDEX_HEAD_DIM:
-        c.fail("q", f"float32 [T, H, D] with 1 <= D <= {MAX_INDEX_HEAD_DIM}", q)
-    c.tensor("weights", weights, F32, (tokens, heads))
-    c.tensor("keys", keys, F32, (None, dim))
-    width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, INDEX_DTYPES, (tokens, None)))
-    return tokens, heads, width
-
-
-def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
-    _INDEXER.slots_valid("block_slots", block_slots, keys.shape[0], cap_name="keys.shape[0]")
-
-
-def check_indexer_topk(logits, k) -> tuple[int, int]:
-    c = _TOPK
-    width = c.width("logits", logits, c.tensor("logits", logits, F32, (None, None)))
-    if type(k) is not int or not 0 <= k <= width:  # bool is no int here
-        c.fail("k", f"an int in [0, {width}] (logits.shape[1])", k)
-    return logits.shape[0], width
-
-
-def check_indexer_topk_data(logits, k) -> None:
-    """Nothing: every float32 value has its place in the order (NaN included)."""
-
-
 def check_rope(x, freqs, positions, inverse=False) -> int:
     c = _ROPE
     c.same_device(_ROPE_TENSORS, x, freqs, positions)

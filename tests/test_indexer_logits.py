@@ -143,7 +143,7 @@ def triton_logits(args):
         return d4.indexer_logits(*args)
     from dsv4_compile.kernels import triton_indexer
 
-    d4.checks.check_indexer_logits(*args)
+    d4.ops.indexer.check_indexer_logits(*args)
     return triton_indexer.indexer_logits(*args)
 
 

@@ -115,7 +115,7 @@ def triton_topk(logits, k):
         return d4.indexer_topk(logits, k)
     from dsv4_compile.kernels import triton_indexer
 
-    d4.checks.check_indexer_topk(logits, k)
+    d4.ops.indexer.check_indexer_topk(logits, k)
     return triton_indexer.indexer_topk(logits, k)
 
 

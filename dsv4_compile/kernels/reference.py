@@ -4,9 +4,9 @@ They serve CPU tensors, and any device no other provider serves. They are writte
 exactness first (fp32 math, the formulas of docs/design.md §2), vectorised over tokens, and chunked
 over tokens, query rows and keys so memory stays bounded (:data:`CHUNK_BYTES`) whatever the sizes.
 
-Arguments arrive validated: the op's kernel runs its checks (``ops.CHECKS``) before any provider,
-data checks included (slots in range, lengths <= widths) — always on CPU, where reading values is
-free, and in checked mode elsewhere.
+Arguments arrive validated: the op's kernel runs its checks (``OpSpec.check``, in the op's module
+under ``ops/``) before any provider, data checks included (``OpSpec.check_data``: slots in range,
+lengths <= widths) — always on CPU, where reading values is free, and in checked mode elsewhere.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import math
 
 import torch
 
-from .. import dispatch, layout, ops
+from .. import dispatch, layout
 from ..ops.decode import decode_outputs, metadata_outputs
+from ..ops.indexer import indexer_logits_output, indexer_topk_output
 from ..ops.prefill import prefill_outputs
 
 #: Upper bound on the bytes of temporaries (gathered keys, their dequantization, scores) one step
@@ -349,7 +350,7 @@ def indexer_logits(q, weights, keys, block_slots):
     blocks) fit in :data:`CHUNK_BYTES`."""
     tokens, heads, dim = q.shape
     width = block_slots.shape[1]
-    logits = ops.indexer_logits_output(q, block_slots)
+    logits = indexer_logits_output(q, block_slots)
     if tokens == 0 or width == 0:
         return logits
     if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
@@ -390,7 +391,7 @@ def indexer_topk(logits, k):
     """The ``k`` largest :func:`topk_keys` of each row (distinct, so the set is unique), their
     columns in ascending order; rows in chunks whose keys and selection fit in :data:`CHUNK_BYTES`."""
     tokens, width = logits.shape
-    out = ops.indexer_topk_output(logits, k)
+    out = indexer_topk_output(logits, k)
     if tokens == 0 or k == 0:
         return out
     # per entry ~40 bytes of temporaries (the keys, then topk's); half the chunk, for allocator slack

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch, ops
+from .. import dispatch
+from ..ops.indexer import indexer_logits_output, indexer_topk_output
 from . import triton_common
 
 OP, TOPK = "indexer_logits", "indexer_topk"
@@ -264,7 +265,7 @@ def geometry(dim: int, heads: int) -> tuple[int, int, int]:
 def indexer_logits(q, weights, keys, block_slots):
     """``dsv4::indexer_logits`` (eager) on validated arguments: one launch, no host sync."""
     _triton()
-    logits = ops.indexer_logits_output(q, block_slots)
+    logits = indexer_logits_output(q, block_slots)
     with triton_common.device_guard(q.device):
         launch(q, weights, keys, block_slots, logits)
     return logits
@@ -308,7 +309,7 @@ def indexer_topk(logits, k):
     """``dsv4::indexer_topk`` (eager) on validated arguments: one launch (none for an empty call),
     no host sync."""
     _triton()
-    out = ops.indexer_topk_output(logits, k)
+    out = indexer_topk_output(logits, k)
     with triton_common.device_guard(logits.device):
         launch_topk(logits, k, out)
     return out

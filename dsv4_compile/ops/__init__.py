@@ -17,35 +17,16 @@ from .registry import SCHEMAS, OpSpec, define  # noqa: F401 (SCHEMAS: re-exporte
 from .store import fused_k_norm_rope_flashmla, quantize_store  # noqa: F401 (defined first: dsv4.OPS order)
 from .decode import flash_mla_with_kvcache, get_mla_metadata, get_mla_metadata_stacked  # noqa: F401
 from .prefill import flash_mla_sparse_fwd  # noqa: F401
+from .indexer import indexer_logits, indexer_topk  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Output geometry, shared by the fakes and the kernels: one definition of what each op returns.
 # --------------------------------------------------------------------------------------------
 
 
-def indexer_logits_output(q: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
-    """Empty ``logits [T, M]`` fp32 (contiguous) on ``q.device``."""
-    return q.new_empty(q.shape[0], block_slots.shape[1])
-
-
-def indexer_topk_output(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Empty ``indices [T, k]`` int64 (contiguous) on ``logits.device``."""
-    return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
-
-
 # --------------------------------------------------------------------------------------------
 # Fakes: the same metadata checks as the kernels, the same outputs' geometry.
 # --------------------------------------------------------------------------------------------
-
-
-def _indexer_logits_fake(q, weights, keys, block_slots):
-    checks.check_indexer_logits(q, weights, keys, block_slots)
-    return indexer_logits_output(q, block_slots)
-
-
-def _indexer_topk_fake(logits, k):
-    checks.check_indexer_topk(logits, k)
-    return indexer_topk_output(logits, k)
 
 
 def _rope_fake(x, freqs, positions, inverse=False):
@@ -57,16 +38,6 @@ def _rope_fake(x, freqs, positions, inverse=False):
 # --------------------------------------------------------------------------------------------
 
 
-_INDEXER_LOGITS_OP = define(OpSpec(
-    schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
-    fake=_indexer_logits_fake, check=checks.check_indexer_logits, check_data=checks.check_indexer_logits_data,
-    float_inputs=("q", "weights", "keys"),
-))
-_INDEXER_TOPK_OP = define(OpSpec(
-    schema="indexer_topk(Tensor logits, int k) -> Tensor",
-    fake=_indexer_topk_fake, check=checks.check_indexer_topk, check_data=checks.check_indexer_topk_data,
-    float_inputs=("logits",),
-))
 _ROPE_OP = define(OpSpec(
     schema="rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
     fake=_rope_fake, check=checks.check_rope, check_data=checks.check_rope_data,
@@ -79,40 +50,6 @@ dispatch.reset()  # read the environment: DSV4_COMPILE_PROVIDER may name any op 
 # --------------------------------------------------------------------------------------------
 # Public wrappers: keyword-friendly, upstream names, one call of the op each.
 # --------------------------------------------------------------------------------------------
-
-
-def indexer_logits(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    block_slots: torch.Tensor,
-) -> torch.Tensor:
-    """The lightning indexer's block logits: ``logits [T, M]`` float32 with
-    ``logits[t, k] = sum_h weights[t, h] * relu(<q[t, h], keys[block_slots[t, k]]>)`` where
-    ``block_slots[t, k] >= 0``, and ``-inf`` where it is ``-1`` (a block the query does not see).
-
-    Args:
-        q: ``[T, H, D]`` float32 indexer queries (``1 <= D <= 512``).
-        weights: ``[T, H]`` float32 head weights (scales included).
-        keys: ``[S, D]`` float32 key buffer, one row per compressed-block slot.
-        block_slots: ``[T, M]`` int32/int64: the slot of each query's ``k``-th block, or ``-1``.
-
-    Only the referenced rows of ``keys`` are read; a query's cost follows its visible blocks.
-    """
-    return _INDEXER_LOGITS_OP.run(q, weights, keys, block_slots)
-
-
-def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The indexer's selection: ``indices [T, k]`` int64, the columns of each row's ``k`` largest
-    ``logits`` in ascending order. Among equal values the lower columns rank higher; ``-0.0``
-    equals ``0.0``; every NaN ranks above ``+inf``. The choice is exact (no rounding), so every
-    provider returns the same indices.
-
-    Args:
-        logits: ``[T, M]`` float32 (``-inf``: a block the row does not see).
-        k: ``0 <= k <= M`` columns per row.
-    """
-    return _INDEXER_TOPK_OP.run(logits, k)
 
 
 def rope_(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> None:
