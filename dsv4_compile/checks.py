@@ -1,4 +1,9 @@
-"""Argument validation for the ``dsv4`` ops, shared by the fakes and every kernel.
+"""Argument validation for the ``dsv4`` ops: the machinery the fakes and every kernel share.
+
+Each op's own checks sit with the op, in its family's module under ``ops/`` (``check_<op>``,
+``check_<op>_data``), written with :class:`Checker`; this module holds what they share (the
+checker, the dtypes they accept, :data:`MAX_INDEX_WIDTH`) and *checked mode*. It stays below the
+``ops`` package because :mod:`dsv4_compile.dispatch`, which the ops import, reads checked mode.
 
 Two levels:
 
@@ -10,8 +15,9 @@ Two levels:
   :func:`checked` or ``DSV4_COMPILE_CHECKED=1`` — and always before a provider that indexes with
   those values unchecked (the reference: ``Provider.checks_data``).
 
-``check_<op>(*args)`` are the metadata checks (the fakes and the op kernels run them on every call);
-``check_<op>_data(*args)`` the data checks, on arguments that passed the metadata checks.
+``check_<op>(*args)`` are the metadata checks (the fakes and the op kernels run them on every call;
+they return the sizes the fake and the kernels need); ``check_<op>_data(*args)`` the data checks,
+on arguments that passed the metadata checks.
 
 Every failure names the op, the argument, what was expected and what was got. All checks of a call
 run before anything is written, so a rejected call leaves every cache byte unchanged.
@@ -34,6 +40,12 @@ CHECKED_ENV = "DSV4_COMPILE_CHECKED"
 #: far below where int32 slot arithmetic or a kernel's workspace would break. Wider is rejected
 #: before anything is allocated (e.g. a stride-0 ``expand`` to 2^31 columns).
 MAX_INDEX_WIDTH = 1 << 20
+#: The dtypes the ops' checks accept (:meth:`Checker.tensor`'s ``dtypes``).
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # stored keys, rotated tensors
+INDEX_DTYPES = (torch.int32, torch.int64)  # slots, positions
+BF16 = (torch.bfloat16,)
+F32 = (torch.float32,)
+I32 = (torch.int32,)
 
 
 class _ThreadState(threading.local):
@@ -223,54 +235,6 @@ def counted_mask(indices: torch.Tensor, topk_length: torch.Tensor | None) -> tor
     j = torch.arange(width, device=indices.device)
     lengths = topk_length.view(-1, *([1] * (indices.dim() - 1)))
     return j < lengths
-
-
-#: The dtypes the ops' checks accept (:meth:`Checker.tensor`'s ``dtypes``).
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # stored keys, rotated tensors
-INDEX_DTYPES = (torch.int32, torch.int64)  # slots, positions
-BF16 = (torch.bfloat16,)
-F32 = (torch.float32,)
-I32 = (torch.int32,)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-op checks. ``check_<op>`` (metadata) returns the sizes the fake and the kernels need;
-# ``check_<op>_data`` reads values (a device sync on a GPU).
-# --------------------------------------------------------------------------------------------
-
-_ROPE = Checker("rope_")
-_ROPE_TENSORS = ("x", "freqs", "positions")
-def check_rope(x, freqs, positions, inverse=False) -> int:
-    c = _ROPE
-    c.same_device(_ROPE_TENSORS, x, freqs, positions)
-    expected = f"bfloat16/float16/float32 [T, D] or [T, H, D] with D >= {layout.ROPE_DIM}"
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        c.fail("x", f"a tensor {expected}", x, TypeError)
-    size = x.shape
-    if x.dim() not in (2, 3) or size[-1] < layout.ROPE_DIM:
-        c.fail("x", expected, x)
-    rank = x.dim()
-    if x.stride(-1) != 1:
-        c.fail("x", "last-dim contiguous (stride(-1) == 1)", f"strides {tuple(x.stride())}")
-    # written in place: no two rows may share memory (no stride-0 or overlapping leading dims)
-    extent = size[-1]
-    for stride, n in sorted((x.stride(d), size[d]) for d in range(rank - 1) if size[d] > 1):
-        if stride < extent:
-            c.fail("x", "rows that do not overlap (it is written in place)", f"strides {tuple(x.stride())}")
-        extent = stride * n
-    c.tensor("freqs", freqs, F32, (None, layout.ROPE_DIM))
-    c.tensor("positions", positions, INDEX_DTYPES, (size[0],))
-    if type(inverse) is not bool:
-        c.fail("inverse", "a bool", inverse, TypeError)
-    return size[0]
-
-
-def check_rope_data(x, freqs, positions, inverse=False) -> None:
-    if positions.numel() == 0:
-        return
-    lo, hi = int(positions.min()), int(positions.max())
-    if lo < 0 or hi >= freqs.shape[0]:
-        _ROPE.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
 read_environment()

@@ -112,7 +112,7 @@ def triton_rope_(x, freqs, positions, inverse):
         return d4.rope_(x, freqs, positions, inverse)
     from dsv4_compile.kernels import triton_rope
 
-    d4.checks.check_rope(x, freqs, positions, inverse)
+    d4.ops.rope.check_rope(x, freqs, positions, inverse)
     return triton_rope.rope_(x, freqs, positions, inverse)
 
 
