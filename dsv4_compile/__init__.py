@@ -9,17 +9,7 @@ from . import compat, layout, ops
 from .checks import checked, checked_mode
 from .dispatch import ProviderUnavailable, providers, use_provider
 from .layout import FORMATS, alloc_cache, dequant_workspace, flashmla_view, gather_dequant, page_bytes
-from .ops import (
-    flash_mla_sparse_fwd,
-    flash_mla_with_kvcache,
-    fused_k_norm_rope_flashmla,
-    get_mla_metadata,
-    get_mla_metadata_stacked,
-    indexer_logits,
-    indexer_topk,
-    quantize_store,
-    rope_,
-)
+from .ops import *  # noqa: F403 (the ops' wrappers: ops.__all__)
 
 __version__ = "0.1.0"
 
@@ -31,20 +21,12 @@ __all__ = [
     "compat",
     "checked_mode",
     "dequant_workspace",
-    "flash_mla_sparse_fwd",
-    "flash_mla_with_kvcache",
     "flashmla_view",
-    "fused_k_norm_rope_flashmla",
     "gather_dequant",
-    "get_mla_metadata",
-    "get_mla_metadata_stacked",
-    "indexer_logits",
-    "indexer_topk",
     "layout",
     "ops",
     "page_bytes",
     "providers",
-    "quantize_store",
-    "rope_",
     "use_provider",
+    *ops.__all__,
 ]

@@ -12,28 +12,19 @@ one ``registry.define(OpSpec(...))``, and the public wrapper.
 * :mod:`.registry` — :func:`~.registry.define`: the ``torch.library`` registration, the eager
   fast path and the op list, from one ``OpSpec``
 
-Importing the package defines every op; the wrappers are re-exported here and at the top level.
+Importing the package defines every op; the wrappers (each family's ``__all__``) are re-exported
+here and at the top level.
 """
 
 from .. import dispatch
-from .store import fused_k_norm_rope_flashmla, quantize_store  # noqa: I001 (the ops are defined in this order: dispatch.OPS)
-from .decode import flash_mla_with_kvcache, get_mla_metadata, get_mla_metadata_stacked
-from .prefill import flash_mla_sparse_fwd
-from .indexer import indexer_logits, indexer_topk
-from .rope import rope_
-from .registry import SCHEMAS
+from . import store, decode, prefill, indexer, rope  # noqa: I001 (the order defines dispatch.OPS)
+from .store import *  # noqa: F403 (each family's __all__: its wrappers)
+from .decode import *  # noqa: F403
+from .prefill import *  # noqa: F403
+from .indexer import *  # noqa: F403
+from .rope import *  # noqa: F403
+from .registry import SCHEMAS  # noqa: F401
 
 dispatch.reset()  # read the environment now: DSV4_COMPILE_PROVIDER may name any op defined above
 
-__all__ = [
-    "SCHEMAS",
-    "flash_mla_sparse_fwd",
-    "flash_mla_with_kvcache",
-    "fused_k_norm_rope_flashmla",
-    "get_mla_metadata",
-    "get_mla_metadata_stacked",
-    "indexer_logits",
-    "indexer_topk",
-    "quantize_store",
-    "rope_",
-]
+__all__ = [*store.__all__, *decode.__all__, *prefill.__all__, *indexer.__all__, *rope.__all__]

@@ -12,6 +12,8 @@ from .. import dispatch, layout
 from ..checks import BF16, F32, I32, MAX_INDEX_WIDTH, Checker, counted_mask
 from .registry import OpSpec, define
 
+__all__ = ["flash_mla_with_kvcache", "get_mla_metadata", "get_mla_metadata_stacked"]  # the public wrappers (re-exported by the package)
+
 
 def decode_outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ``out [B, s_q, H, head_dim_v]`` bf16 (contiguous) and ``lse [B, H, s_q]`` fp32.

@@ -8,6 +8,8 @@ import torch
 from ..checks import F32, INDEX_DTYPES, Checker
 from .registry import OpSpec, define
 
+__all__ = ["indexer_logits", "indexer_topk"]  # the public wrappers (re-exported by the package)
+
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
 MAX_INDEX_HEAD_DIM = 512

@@ -8,6 +8,8 @@ from .. import layout
 from ..checks import BF16, F32, I32, Checker
 from .registry import OpSpec, define
 
+__all__ = ["flash_mla_sparse_fwd"]  # the public wrappers (re-exported by the package)
+
 
 def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empty ``out [s_q, H, d_v]`` bf16, ``max_logits`` and ``lse [s_q, H]`` fp32, contiguous."""

@@ -8,6 +8,8 @@ from .. import layout
 from ..checks import F32, FLOAT_DTYPES, INDEX_DTYPES, Checker
 from .registry import OpSpec, define
 
+__all__ = ["rope_"]  # the public wrappers (re-exported by the package)
+
 _ROPE = Checker("rope_")
 _ROPE_TENSORS = ("x", "freqs", "positions")
 

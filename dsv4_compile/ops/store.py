@@ -12,6 +12,8 @@ from .. import layout
 from ..checks import F32, FLOAT_DTYPES, INDEX_DTYPES, Checker
 from .registry import OpSpec, define
 
+__all__ = ["fused_k_norm_rope_flashmla", "quantize_store"]  # the public wrappers (re-exported by the package)
+
 
 class StoreCall(NamedTuple):
     """What a provider's rule may look at in a store call (either store op)."""
