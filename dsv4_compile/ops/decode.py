@@ -131,19 +131,6 @@ def check_decode_data(
                       counted_mask(extra_indices, extra_topk_length))
 
 
-def _decode_fake(
-    q, k_cache, page_size, indices, topk_length, attn_sink,
-    extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
-):
-    check_decode(
-        q, k_cache, page_size, indices, topk_length, attn_sink,
-        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
-    )
-    return decode_outputs(q, head_dim_v)
-
-
 def _decode_call(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
@@ -162,9 +149,9 @@ _DECODE_OP = define(OpSpec(
         "Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format=\"v4\", "
         "str? extra_kv_format=None) -> (Tensor out, Tensor lse)"
     ),
-    fake=_decode_fake,
     check=check_decode,
     check_data=check_decode_data,
+    outputs=decode_outputs,
     float_inputs=("q", "attn_sink"),
     call=DecodeCall,
     call_fields=_decode_call,
@@ -247,19 +234,14 @@ def check_metadata_data(q, indices, topk_length, extra_indices, extra_topk_lengt
     """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
 
 
-def _metadata_fake(q, indices, topk_length, extra_indices, extra_topk_length):
-    check_metadata(q, indices, topk_length, extra_indices, extra_topk_length)
-    return metadata_outputs(q)
-
-
 _METADATA_OP = define(OpSpec(
     schema=(
         "get_mla_metadata(Tensor q, Tensor indices, Tensor? topk_length, Tensor? extra_indices, "
         "Tensor? extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
     ),
-    fake=_metadata_fake,
     check=check_metadata,
     check_data=check_metadata_data,
+    outputs=lambda q: metadata_outputs(q),
     float_inputs=("q",),
 ))
 
@@ -318,19 +300,14 @@ def check_metadata_stacked_data(q, topk, topk_length, extra_topk, extra_topk_len
     """Nothing: the scheduler reads only lengths, and any length gives a valid schedule."""
 
 
-def _metadata_stacked_fake(q, topk, topk_length, extra_topk, extra_topk_length):
-    count = check_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length)[3]
-    return metadata_outputs(q, count)
-
-
 _METADATA_STACKED_OP = define(OpSpec(
     schema=(
         "get_mla_metadata_stacked(Tensor q, int[] topk, Tensor?[] topk_length, int[] extra_topk, "
         "Tensor?[] extra_topk_length) -> (Tensor tile_scheduler_metadata, Tensor num_splits)"
     ),
-    fake=_metadata_stacked_fake,
     check=check_metadata_stacked,
     check_data=check_metadata_stacked_data,
+    outputs=lambda q, topk: metadata_outputs(q, len(topk)),
     float_inputs=("q",),
 ))
 

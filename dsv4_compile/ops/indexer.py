@@ -44,16 +44,11 @@ def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
     _INDEXER.slots_valid("block_slots", block_slots, keys.shape[0], cap_name="keys.shape[0]")
 
 
-def _indexer_logits_fake(q, weights, keys, block_slots):
-    check_indexer_logits(q, weights, keys, block_slots)
-    return indexer_logits_output(q, block_slots)
-
-
 _INDEXER_LOGITS_OP = define(OpSpec(
     schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
-    fake=_indexer_logits_fake,
     check=check_indexer_logits,
     check_data=check_indexer_logits_data,
+    outputs=indexer_logits_output,
     float_inputs=("q", "weights", "keys"),
 ))
 
@@ -104,16 +99,11 @@ def check_indexer_topk_data(logits, k) -> None:
     """Nothing: every float32 value has its place in the order (NaN included)."""
 
 
-def _indexer_topk_fake(logits, k):
-    check_indexer_topk(logits, k)
-    return indexer_topk_output(logits, k)
-
-
 _INDEXER_TOPK_OP = define(OpSpec(
     schema="indexer_topk(Tensor logits, int k) -> Tensor",
-    fake=_indexer_topk_fake,
     check=check_indexer_topk,
     check_data=check_indexer_topk_data,
+    outputs=indexer_topk_output,
     float_inputs=("logits",),
 ))
 

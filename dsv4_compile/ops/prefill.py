@@ -46,20 +46,15 @@ def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) ->
     _PREFILL.lengths_within("topk_length", topk_length, indices.shape[-1])
 
 
-def _prefill_fake(q, kv, indices, sm_scale, d_v=layout.HEAD_DIM, attn_sink=None, topk_length=None):
-    check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    return prefill_outputs(q, d_v)
-
-
 _PREFILL_OP = define(OpSpec(
     schema=(
         "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
         "Tensor? attn_sink=None, Tensor? topk_length=None) "
         "-> (Tensor out, Tensor max_logits, Tensor lse)"
     ),
-    fake=_prefill_fake,
     check=check_prefill,
     check_data=check_prefill_data,
+    outputs=prefill_outputs,
     float_inputs=("q", "kv", "attn_sink"),
 ))
 

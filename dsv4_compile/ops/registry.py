@@ -1,13 +1,13 @@
-"""Where an op's declaration becomes the op: :func:`define` takes one :class:`OpSpec` and registers
-it in the ``dsv4`` namespace.
+"""Where an op's declaration becomes the op: :func:`define` takes one :class:`OpSpec`.
 
-For each op, :func:`define` registers the schema (``Library.define``), the fake, and one kernel per
-dispatch key: ``CPU``, ``CUDA``, ``XPU`` and ``CompositeExplicitAutograd`` for any other device,
-each :func:`dispatch.backend_kernel`'s trampoline into the provider that serves the call, and an
-``Autograd`` fallthrough (the ops have no backward; the trampoline rejects inputs that require
-grad). It adds the op to ``dispatch.OPS`` and returns its :class:`Op`, whose :attr:`Op.run` the
-public wrapper calls. Whatever a call needs of the schema (defaults, which arguments are tensors or
-may require grad) is derived here, once.
+For each op, :func:`define` registers in the ``dsv4`` namespace the schema (``Library.define``);
+the fake (the op's metadata checks, then empty outputs of its geometry); one kernel per dispatch
+key, ``CPU``, ``CUDA``, ``XPU`` and ``CompositeExplicitAutograd`` for any other device, each
+:func:`dispatch.backend_kernel`'s trampoline into the provider that serves the call; and an
+``Autograd`` fallthrough (the ops have no backward: the trampoline rejects inputs that require
+grad). It adds the op to ``dispatch.OPS`` and returns the :class:`Op`, whose :attr:`Op.run` the
+op's public wrapper calls. What a call needs of the schema (defaults, which arguments are tensors,
+which may require grad) is derived here, once, so the per-call path parses nothing.
 
 The op modules (``store``, ``decode``, ...) import this module; it imports none of them.
 """
@@ -23,7 +23,7 @@ import torch
 from .. import dispatch
 
 NAMESPACE = "dsv4"
-#: Each op's schema, by name, as defined (tests/test_schemas.py pins them).
+#: Each op's schema, by op name (tests/test_schemas.py pins them).
 SCHEMAS: dict[str, str] = {}
 #: Each defined op, by name.
 DEFINED: dict[str, Op] = {}
@@ -33,35 +33,34 @@ _TENSOR = torch._C.OptionalType.ofTensor()  # Tensor and Tensor? are its subtype
 
 
 class NoCall(NamedTuple):
-    """The call signature of ops whose providers have no per-call rule."""
-
-
-def _no_fields(*args) -> tuple:
-    return ()
+    """The call signature of an op whose providers have no per-call rule."""
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op, as its module declares it. Every function takes the op's arguments by name, in schema
-    order (:func:`define` checks the names against the schema)."""
+    """One op, as its module declares it. ``check``, ``check_data`` and ``call_fields`` take the
+    op's arguments by name, in schema order; ``outputs`` takes the ones it names. :func:`define`
+    holds the names to the schema's."""
 
     #: the schema, without the namespace: ``"name(Tensor q, ...) -> (...)"``; the contract
     schema: str
-    #: the fake (meta) kernel: the metadata checks, then empty outputs of the op's geometry
-    fake: Callable
-    #: the metadata checks (dtypes, shapes, devices, geometry; no data read): every call, in the
-    #: fake too; they raise naming the argument, the expected and the actual value
+    #: the metadata checks (dtypes, shapes, devices, geometry; no data read): every call, and the
+    #: fake; each failure names the argument, the expected and the actual value
     check: Callable
     #: the data checks (values in range; a device sync on a GPU): in checked mode, and always
     #: before a provider that indexes with the values (``Provider.checks_data``)
     check_data: Callable
-    #: the floating-point inputs, the ones that could require grad: a call under grad mode with
-    #: one that does is an error naming it (the ops are inference-only)
+    #: the op's outputs, empty, in the geometry every provider returns them (the fake returns them
+    #: after ``check``), from the arguments its parameters name, e.g. ``decode_outputs(q,
+    #: head_dim_v)``; ``None`` for an op that returns nothing (it writes an input)
+    outputs: Callable | None = None
+    #: the floating-point inputs, the ones that could require grad: one that does, under grad mode,
+    #: is an error naming it (the ops are inference-only)
     float_inputs: tuple[str, ...] = ()
     #: the call signature: what provider rules (``dispatch.Rule``) may read of a call (page sizes,
     #: page strides, formats); resolutions are cached per signature
     call: type = NoCall
-    #: the fields of ``call`` from the op's arguments, as a plain tuple (``None``: no fields)
+    #: the fields of ``call``, a plain tuple, from the op's arguments (``None``: ``call`` has none)
     call_fields: Callable | None = None
 
 
@@ -75,37 +74,40 @@ class Op:
     defaults: tuple  # per argument, its schema default (None where it has none)
     #: the kernel the dispatcher reaches for tensors of any device type (``dispatch.backend_kernel``)
     direct: Callable
-    #: ``run(*args)`` (schema order, defaults included): the op's call from its Python wrapper;
+    #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper,
     #: :attr:`direct` in plain eager use (``dispatch.direct_call_allowed``), else :attr:`overload`
     run: Callable
 
-    def signature(self, args: tuple):
+    def signature(self, args: tuple) -> tuple:
         """The call signature (``spec.call``) of a call with ``args``, in schema order."""
         fields = self.spec.call_fields
         return self.spec.call(*(fields(*args) if fields else ()))
 
 
 def define(spec: OpSpec) -> Op:
-    """Define the op ``spec`` declares, with its fake and kernels (module docstring); its :class:`Op`."""
+    """Define the op ``spec`` declares, with its fake and kernels (see the module docstring)."""
     _lib.define(spec.schema)
     name = spec.schema.split("(", 1)[0]
     overload = getattr(getattr(torch.ops, NAMESPACE), name).default
     arguments = overload._schema.arguments
     names = tuple(a.name for a in arguments)
-    for role in ("fake", "check", "check_data", "call_fields"):
+    for role in ("check", "check_data", "call_fields"):
         fn = getattr(spec, role)
         if fn is not None and tuple(inspect.signature(fn).parameters) != names:
             raise TypeError(f"dsv4.{name}: OpSpec.{role} must take the op's arguments {names}, "
                             f"got {tuple(inspect.signature(fn).parameters)}")
-    unknown = set(spec.float_inputs) - set(names)
-    if unknown:
-        raise TypeError(f"dsv4.{name}: OpSpec.float_inputs names no argument: {sorted(unknown)}")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", spec.fake, lib=_lib)
+    outputs = () if spec.outputs is None else tuple(inspect.signature(spec.outputs).parameters)
+    for role, named in (("outputs", outputs), ("float_inputs", spec.float_inputs)):
+        if not set(named) <= set(names):
+            raise TypeError(f"dsv4.{name}: OpSpec.{role} names no argument: {sorted(set(named) - set(names))}")
 
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+    fake = _fake(spec.check, spec.outputs, tuple(names.index(arg) for arg in outputs), defaults)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+
+    dispatch.register_op(name)
     grad_args = tuple((i, arg) for i, arg in enumerate(names) if arg in spec.float_inputs)
     parts = (defaults, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
-    dispatch.register_op(name)
     for key in ("CPU", "CUDA", "XPU"):
         _lib.impl(name, dispatch.backend_kernel(name, key.lower(), *parts), key)
     direct = dispatch.backend_kernel(name, None, *parts)
@@ -119,8 +121,22 @@ def define(spec: OpSpec) -> Op:
         if isinstance(a.type, torch.ListType) and a.type.getElementType().isSubtypeOf(_TENSOR)
     )
     SCHEMAS[name] = spec.schema
-    op = DEFINED[name] = Op(name, spec, overload, defaults, direct, _runner(direct, overload, tensors, tensor_lists))
-    return op
+    DEFINED[name] = Op(name, spec, overload, defaults, direct, _runner(direct, overload, tensors, tensor_lists))
+    return DEFINED[name]
+
+
+def _no_fields(*args) -> tuple:
+    return ()
+
+
+def _fake(check: Callable, outputs: Callable | None, positions: tuple[int, ...], defaults: tuple) -> Callable:
+    def fake(*args):
+        args = args + defaults[len(args):]  # the dispatcher drops trailing defaults
+        check(*args)
+        if outputs is not None:
+            return outputs(*(args[i] for i in positions))
+
+    return fake
 
 
 def _runner(direct: Callable, overload, tensors: tuple[int, ...], tensor_lists: tuple[int, ...]) -> Callable:

@@ -47,13 +47,8 @@ def check_rope_data(x, freqs, positions, inverse=False) -> None:
         _ROPE.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
-def _rope_fake(x, freqs, positions, inverse=False):
-    check_rope(x, freqs, positions, inverse)
-
-
 _ROPE_OP = define(OpSpec(
     schema="rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()",
-    fake=_rope_fake,
     check=check_rope,
     check_data=check_rope_data,
     float_inputs=("x", "freqs"),

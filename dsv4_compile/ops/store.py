@@ -57,10 +57,6 @@ def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
         c.fail("positions", f"within [0, {freqs.shape[0]}) (rows of freqs)", f"values in [{lo}, {hi}]")
 
 
-def _store_fake(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
-    check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format)
-
-
 def _store_call(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format):
     return page_size, kvcache.stride(0), kv_format
 
@@ -70,7 +66,6 @@ _STORE_OP = define(OpSpec(
         "fused_k_norm_rope_flashmla(Tensor kv, Tensor kv_weight, Tensor freqs, Tensor positions, "
         "Tensor out_loc, Tensor(a!) kvcache, float eps, int page_size, str kv_format=\"v4\") -> ()"
     ),
-    fake=_store_fake,
     check=check_store,
     check_data=check_store_data,
     float_inputs=("kv", "kv_weight", "freqs"),
@@ -134,10 +129,6 @@ def check_quantize_store_data(kv, out_loc, kvcache, page_size, kv_format="v4") -
         _QUANTIZE_STORE.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
 
 
-def _quantize_store_fake(kv, out_loc, kvcache, page_size, kv_format="v4"):
-    check_quantize_store(kv, out_loc, kvcache, page_size, kv_format)
-
-
 def _quantize_store_call(kv, out_loc, kvcache, page_size, kv_format):
     return page_size, kvcache.stride(0), kv_format
 
@@ -147,7 +138,6 @@ _QUANTIZE_STORE_OP = define(OpSpec(
         "quantize_store(Tensor kv, Tensor out_loc, Tensor(a!) kvcache, int page_size, "
         "str kv_format=\"v4\") -> ()"
     ),
-    fake=_quantize_store_fake,
     check=check_quantize_store,
     check_data=check_quantize_store_data,
     float_inputs=("kv",),
