@@ -441,6 +441,7 @@ def backend_kernel(
     check_data: Callable,
     call: tuple[type, Callable[..., tuple]],
     grad_args: tuple[tuple[int, str], ...],
+    entry: tuple[Callable, tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> Callable:
     """The kernel registered for one dispatch key: validate, find the provider kernel, call it.
 
@@ -463,13 +464,21 @@ def backend_kernel(
 
     A call whose signature cannot even be read (an argument that is no tensor) runs the metadata
     checks for their error.
+
+    ``entry`` = ``(overload, tensors, tensor_lists)`` makes it the Python wrapper's entry instead
+    (``Op.run``): a call :func:`direct_call_allowed` refuses (``tensors``, ``tensor_lists``: where
+    the tensors are) goes to ``overload``, the dispatcher, which routes it to a kernel of this path;
+    any other runs the path directly, without the dispatcher's round trip.
     """
     nargs = len(defaults)
+    overload, tensors, tensor_lists = entry or (None, (), ())
     call_type, call_fields = call
     table = _registry.resolved[op]  # cleared in place, never replaced
     is_grad_enabled, checked_mode = torch.is_grad_enabled, checks.checked_mode
 
     def kernel(*args):
+        if entry is not None and not direct_call_allowed(args, tensors, tensor_lists):
+            return overload(*args)
         if len(args) < nargs:
             args = args + defaults[len(args):]
         if is_grad_enabled():
@@ -505,5 +514,5 @@ def backend_kernel(
             check(*args)
         return provider_kernel(*args)
 
-    kernel.__name__ = f"dsv4_{op}_{device_type or 'any'}"
+    kernel.__name__ = f"dsv4_{op}_{'entry' if entry else device_type or 'any'}"
     return kernel

@@ -72,10 +72,9 @@ class Op:
     spec: OpSpec
     overload: torch._ops.OpOverload  # torch.ops.dsv4.<name>.default
     defaults: tuple  # per argument, its schema default (None where it has none)
-    #: the kernel the dispatcher reaches for tensors of any device type (``dispatch.backend_kernel``)
-    direct: Callable
-    #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper,
-    #: :attr:`direct` in plain eager use (``dispatch.direct_call_allowed``), else :attr:`overload`
+    #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper; in
+    #: plain eager use (``dispatch.direct_call_allowed``) the kernels' path (``dispatch.backend_kernel``)
+    #: without the dispatcher's round trip, else :attr:`overload`
     run: Callable
 
     def signature(self, args: tuple) -> tuple:
@@ -110,8 +109,7 @@ def define(spec: OpSpec) -> Op:
     parts = (defaults, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
     for key in ("CPU", "CUDA", "XPU"):
         _lib.impl(name, dispatch.backend_kernel(name, key.lower(), *parts), key)
-    direct = dispatch.backend_kernel(name, None, *parts)
-    _lib.impl(name, direct, "CompositeExplicitAutograd")
+    _lib.impl(name, dispatch.backend_kernel(name, None, *parts), "CompositeExplicitAutograd")
     # No backward: autograd falls through to the kernels above, which reject inputs requiring grad.
     _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
 
@@ -120,8 +118,9 @@ def define(spec: OpSpec) -> Op:
         i for i, a in enumerate(arguments)
         if isinstance(a.type, torch.ListType) and a.type.getElementType().isSubtypeOf(_TENSOR)
     )
+    run = dispatch.backend_kernel(name, None, *parts, entry=(overload, tensors, tensor_lists))
     SCHEMAS[name] = spec.schema
-    DEFINED[name] = Op(name, spec, overload, defaults, direct, _runner(direct, overload, tensors, tensor_lists))
+    DEFINED[name] = Op(name, spec, overload, defaults, run)
     return DEFINED[name]
 
 
@@ -137,14 +136,3 @@ def _fake(check: Callable, outputs: Callable | None, positions: tuple[int, ...],
             return outputs(*(args[i] for i in positions))
 
     return fake
-
-
-def _runner(direct: Callable, overload, tensors: tuple[int, ...], tensor_lists: tuple[int, ...]) -> Callable:
-    allowed = dispatch.direct_call_allowed
-
-    def run(*args):
-        if allowed(args, tensors, tensor_lists):
-            return direct(*args)
-        return overload(*args)
-
-    return run
