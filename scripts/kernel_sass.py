@@ -6,7 +6,7 @@ code between), counted offline; no GPU needed.
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
 choices a GPU of ``--arch`` with ``--sms`` SMs gets, and each launch is compiled as Triton
-specialises the real one (:mod:`dsv4_compile.kernels.triton_offline`, as
+specialises the real one (``tests/triton_offline.py``, as
 ``tests/test_triton_compile.py`` does). The cubin is disassembled with ``cuobjdump -sass``
 (:mod:`store_instructions`), NOPs left out, and cut at every backward branch: a region that ends
 in one is a loop body, and what a program issues is the straight-line regions it passes through
@@ -26,12 +26,17 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
+from pathlib import Path
 
 import torch
 
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_attention, triton_indexer, triton_offline
+from dsv4_compile.kernels import triton_attention, triton_indexer
 from store_instructions import SASS_INSTRUCTION, cuobjdump, resources  # this directory's tool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/: the offline compiler
+import triton_offline  # noqa: E402
 
 
 def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int,

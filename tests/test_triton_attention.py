@@ -37,7 +37,7 @@ if INTERPRETED:
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
-from dsv4_compile.kernels import reference, triton_attention as ta, triton_common, triton_offline  # noqa: E402
+from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_BYTES,
@@ -48,6 +48,7 @@ from helpers import (  # noqa: E402
     run_interpreted_child,
     store_inputs,
 )
+import triton_offline  # noqa: E402  (this directory's tool)
 
 DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
 PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
@@ -609,8 +610,6 @@ def test_decode_loop_stages(rows, stages):
     """As launched for an H200 (132 SMs): both key loops at one stage where every split holds one
     key block (T = 1 and 8 over 128 + 512 keys: 10 splits), else the main loop at the launch's
     ``num_stages`` (None) and the extra-cache loop at ``DECODE_CONFIG.extra_stages``."""
-    from dsv4_compile.kernels import triton_offline
-
     ta._triton()
     cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
     q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)
@@ -635,8 +634,6 @@ def test_decode_order(rows, lengths, order):
     """As launched for an H200 (132 SMs): rows taken longest first exactly where one-split rows
     with lengths fill more than one wave, with a rank vector of whole rows and a bin per block
     count (0 .. 10 here: 16 bins)."""
-    from dsv4_compile.kernels import triton_offline
-
     ta._triton()
     cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
     q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)

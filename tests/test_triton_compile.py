@@ -4,7 +4,7 @@ machine without one, to real code (not a bare trap) within the shared memory a p
 The interpreter (``TRITON_INTERPRET=1``: the CPU runs of the kernel tests) executes a kernel's
 Python and accepts code the compiler refuses: a launch argument the kernel does not have, a
 re-assigned ``constexpr``. Here each provider entry point runs on CPU tensors with its launches
-recorded instead of run (``kernels/triton_offline.py``). Each recorded launch gives the kernel's
+recorded instead of run (``tests/triton_offline.py``). Each recorded launch gives the kernel's
 signature (tensor dtypes, int widths, Triton's specialisation of 1 and of multiples of 16) and its
 ``constexpr`` values, and ``triton.compile`` builds it for each target, through PTX to a cubin,
 with the ``ptxas`` that Triton ships.
@@ -35,8 +35,9 @@ if not triton.__version__.startswith(CHECKED_TRITON):
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import layout  # noqa: E402
 from dsv4_compile.kernels import (  # noqa: E402
-    flashmla_schedule, triton_attention, triton_indexer, triton_offline, triton_rope, triton_store,
+    flashmla_schedule, triton_attention, triton_indexer, triton_rope, triton_store,
 )
+import triton_offline  # noqa: E402  (this directory's tool)
 
 
 def calls():
