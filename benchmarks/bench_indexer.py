@@ -43,7 +43,7 @@ import sys
 import torch
 
 import dsv4_compile as d4
-from dsv4_compile.kernels import triton_indexer
+from dsv4_compile.providers.triton import indexer as triton_indexer
 from bench_step import copy_rate
 from common import graph_timed
 

@@ -119,7 +119,7 @@ def cases(device: str, raw: dict):
 def cuda_raw_calls() -> dict:
     import flash_mla
 
-    from dsv4_compile.kernels import triton_store
+    from dsv4_compile.providers.triton import store as triton_store
 
     legacy = torch.ops.flash_mla_legacy
 
@@ -156,14 +156,14 @@ def cuda_raw_calls() -> dict:
 
 
 def cpu_stub_calls() -> dict:
-    """The CPU smoke: the ``flashmla`` provider's adapter (``kernels.flashmla.FlashMLAKernels``)
+    """The CPU smoke: the ``flashmla`` provider's adapter (``providers.flashmla.adapter.FlashMLAKernels``)
     over stand-ins of FlashMLA's ops that return preallocated outputs, declared to check their
     calls as FlashMLA's do (``Provider.validates``: the stand-ins check nothing, and this benchmark
     makes well-formed calls only), so the timed decode and prefill take the path FlashMLA's calls
     take on a GPU; a stub store kernel for the store. ``raw_op`` = the stand-in op."""
     from types import SimpleNamespace
 
-    from dsv4_compile.kernels import flashmla
+    from dsv4_compile.providers.flashmla import adapter as flashmla
 
     outputs = {}
 

@@ -1,5 +1,5 @@
 """The decode scheduler on SM90: FlashMLA's, run by the library (a decode over a dummy cache,
-``FlashMLAKernels.library_schedule``), against our Triton program (``kernels/flashmla_schedule.py``).
+``FlashMLAKernels.library_schedule``), against our Triton program (``providers/flashmla/schedule.py``).
 
     python benchmarks/bench_schedule.py [--json out.json]
 
@@ -19,7 +19,7 @@ import json
 import torch
 
 from common import graph_timed, timed
-from dsv4_compile.kernels import flashmla
+from dsv4_compile.providers.flashmla import adapter as flashmla
 
 DEV = "cuda"
 

@@ -29,7 +29,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_common, triton_store
+from dsv4_compile.providers.triton import common as triton_common, store as triton_store
 from common import graph_timed
 
 PAGE_SIZE = 256

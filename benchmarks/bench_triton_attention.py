@@ -13,7 +13,7 @@ replayed from a CUDA graph: no host overhead, which eager decode is bound by), `
 hoisted (computed once, as a model step does). ``ratio`` = FlashMLA time / Triton time, i.e. the
 Triton kernel's share of FlashMLA's throughput (goals: decode >= 0.7 at every T, prefill >= 0.6).
 ``--sweep`` also times each launch geometry in :data:`DECODE_SWEEP` / :data:`PREFILL_SWEEP`
-(``*`` marks the defaults of ``triton_attention``).
+(``*`` marks the defaults of ``providers/triton/attention.py``).
 
 Roofline of each case: ``max(bytes / copy rate, FLOPs / peak)``, with the device-to-device copy
 rate measured in the same run (bytes read + written per second) and ``--peak-tflops`` the dense
@@ -41,7 +41,7 @@ import triton.testing
 
 import dsv4_compile as d4
 from dsv4_compile import dispatch, layout
-from dsv4_compile.kernels import triton_attention as ta
+from dsv4_compile.providers.triton import attention as ta
 from bench_step import copy_rate  # this directory's benchmark
 from common import DEV, decode_inputs
 
@@ -95,12 +95,12 @@ def flashmla_available() -> bool:
 
 
 def with_setting(name: str, value, fn):
-    """``fn`` run with ``triton_attention.<name>`` set to ``value``."""
+    """``fn`` run with ``ta.<name>`` set to ``value``."""
     return with_settings({name: value}, fn)
 
 
 def with_settings(values: dict, fn):
-    """``fn`` run with each ``triton_attention.<name>`` of ``values`` set to its value."""
+    """``fn`` run with each ``ta.<name>`` of ``values`` set to its value."""
 
     def run():
         saved = {name: getattr(ta, name) for name in values}
@@ -116,7 +116,7 @@ def with_settings(values: dict, fn):
 
 
 def sweep(name: str, values, fn) -> list[dict]:
-    """Graph time of ``fn`` for each value of ``triton_attention.<name>`` (``*``: the default)."""
+    """Graph time of ``fn`` for each value of ``ta.<name>`` (``*``: the default)."""
     rows = []
     for value in values:
         label = f"{name}={value}{'*' if value == getattr(ta, name) else ''}"
@@ -171,7 +171,7 @@ def bench_decode(rows: int, heads: int, flashmla: bool, do_sweep: bool, copy: fl
 
 def decode_variants(rows: int, heads: int, variants) -> list[dict]:
     """Graph time of the decode at ``rows`` under each ``(fields, settings)`` of ``variants``
-    (``settings``: ``triton_attention`` names set for the call; ``fields``: the row's labels), with
+    (``settings``: ``ta`` names set for the call; ``fields``: the row's labels), with
     the largest difference of its outputs from the default launch's (the key blocks' order changes
     the rounding, nothing else)."""
     q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows, heads)

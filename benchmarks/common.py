@@ -11,7 +11,7 @@ import statistics
 import torch
 
 from dsv4_compile import layout
-from dsv4_compile.kernels import reference
+from dsv4_compile.providers import reference
 
 DEV = "cuda"
 SWA_PAGE, EXTRA_PAGE = 256, 64

@@ -4,7 +4,7 @@ Importing this package registers the ops (schemas, fakes, one kernel per dispatc
 DSV4 attention traces into one ``torch.compile`` graph and the dispatcher picks the device kernel.
 """
 
-from . import kernels as _kernels  # noqa: F401  (registers the providers)
+from . import providers as _providers  # noqa: F401  (registers the providers)
 from . import compat, layout, ops
 from .checks import checked, checked_mode
 from .dispatch import ProviderUnavailable, providers, use_provider

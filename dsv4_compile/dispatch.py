@@ -1,7 +1,7 @@
 """Providers: which implementation serves each ``dsv4`` op on each device, and how to override it.
 
 A *provider* is a named set of kernels for one device type (``"cuda"``, ``"xpu"``, ...) — FlashMLA
-on CUDA, sgl-kernel-xpu on XPU, our Triton kernels, the plain-PyTorch reference. Each kernel module
+on CUDA, sgl-kernel-xpu on XPU, our Triton kernels, the plain-PyTorch reference. Each provider module
 registers its own entries (:func:`register_provider`) at import, without importing any library;
 their order is :data:`RANKING`, in this one place. A provider may declare a :class:`Rule` per op:
 a condition on the call (a page size, a page stride) it needs; a call that fails it goes to the
@@ -49,11 +49,11 @@ METADATA_OPS = ("get_mla_metadata", "get_mla_metadata_stacked")
 #: Priorities of the providers this package ships (higher wins where several can serve a call):
 #: vendor libraries first, then our Triton kernels, then the reference, which serves everything.
 RANKING = {
-    "sgl_kernel_xpu": 100,  # sgl-kernel-xpu on Intel GPUs (kernels/xpu.py)
-    "sgl_kernel": 30,  # FlashMLA in sgl-kernel's sgl_kernel.flash_mla (kernels/flashmla.py)
-    "flashmla": 20,  # FlashMLA's legacy kernels in sgl-flash-mla (kernels/flashmla.py)
-    "triton": 0,  # our portable Triton kernels (kernels/triton_store.py, triton_attention.py, triton_indexer.py, triton_rope.py)
-    REFERENCE: -1000,  # plain PyTorch, every device (kernels/reference.py)
+    "sgl_kernel_xpu": 100,  # sgl-kernel-xpu on Intel GPUs (providers/sgl_kernel_xpu.py)
+    "sgl_kernel": 30,  # FlashMLA in sgl-kernel's sgl_kernel.flash_mla (providers/flashmla/adapter.py)
+    "flashmla": 20,  # FlashMLA's legacy kernels in sgl-flash-mla (providers/flashmla/adapter.py)
+    "triton": 0,  # our portable Triton kernels (providers/triton/: store.py, attention.py, indexer.py, rope.py)
+    REFERENCE: -1000,  # plain PyTorch, every device (providers/reference.py)
 }
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_attention, triton_indexer
+from dsv4_compile.providers.triton import attention as triton_attention, indexer as triton_indexer
 from store_instructions import SASS_INSTRUCTION, cuobjdump, resources  # this directory's tool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/: the offline compiler

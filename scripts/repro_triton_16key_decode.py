@@ -1,9 +1,9 @@
 """Reproducer for an upstream Triton report: the sparse decode kernel with 16-key blocks on SM90.
 
-``triton_attention.Config`` refuses key blocks below 32 because, compiled by Triton 3.6 for an
-H200 (SM90), the decode kernel with 16-key blocks gave outputs far from the reference, while the
-same kernel with 32 and 64 keys per block matches it (and the interpreter matches it at 16). This
-script builds those geometries anyway (bypassing the refusal), runs the kernel and the
+``providers.triton.attention.Config`` refuses key blocks below 32 because, compiled by Triton 3.6
+for an H200 (SM90), the decode kernel with 16-key blocks gave outputs far from the reference, while
+the same kernel with 32 and 64 keys per block matches it (and the interpreter matches it at 16).
+This script builds those geometries anyway (bypassing the refusal), runs the kernel and the
 plain-PyTorch reference on the same CUDA tensors for 16-, 32- and 64-key geometries, with one split
 per row and with three (the combine kernel), and prints the largest difference of each, with the
 Triton version and the GPU. Exit status 1 if a 16-key geometry differs beyond the device
@@ -21,7 +21,8 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.kernels import reference, triton_attention as ta, triton_common
+from dsv4_compile.providers import reference
+from dsv4_compile.providers.triton import attention as ta, common as triton_common
 from dsv4_compile.tolerances import DEVICE
 
 

@@ -3,7 +3,7 @@
 Under ``torch.compile`` the store op is replaced by a visible ``wrap_triton`` launch of its
 kernel, but only for static token counts: a graph traced with a symbolic count wrote other cache
 bytes than the eager launch of the same kernel at 1025 tokens (the same at 37 and 300), so a
-symbolic count keeps the opaque op (``triton_store._functional_rule``). This script takes the path the package refuses: a
+symbolic count keeps the opaque op (``providers.triton.store._functional_rule``). This script takes the path the package refuses: a
 ``torch.library.triton_op`` whose body is the same launch through ``wrap_triton``, compiled with
 ``dynamic=True`` (and, for contrast, ``dynamic=False``), against the eager launch of the same
 kernel, at 37, 300 and 1025 tokens. It prints, per count, how many cache bytes differ and where,
@@ -21,7 +21,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_store
+from dsv4_compile.providers.triton import store as triton_store
 
 PAGE = 64
 

@@ -27,7 +27,7 @@ import collections
 import re
 
 from dsv4_compile import layout
-from dsv4_compile.kernels import triton_store
+from dsv4_compile.providers.triton import store as triton_store
 
 GEOMETRIES = [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (16, 4)]
 #: the kernels' runtime arguments: Triton signature types

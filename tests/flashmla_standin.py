@@ -4,7 +4,7 @@ They follow the real ops' schemas (``flash_mla_legacy::sparse_decode_fwd`` etc.,
 sgl-flash-mla 1.0.0 and sglang-kernel's ``sgl_kernel`` namespace) and their input checks
 (``H in {64, 128}``, index widths multiple of 64 / 128, the 4-D fp8 cache view with
 ``stride(1) == 584``; rank, dtype and shape of every tensor, as the ``flashmla`` provider relies
-on: ``kernels.flashmla.FLASHMLA_VALIDATES``), compute with the reference
+on: ``providers.flashmla.adapter.FLASHMLA_VALIDATES``), compute with the reference
 kernels, and model the scheduler: metadata is a function of the length *values*, and stale
 metadata gives wrong output (NaN here), as on the real GPU.
 """
@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from dsv4_compile.kernels import reference
+from dsv4_compile.providers import reference
 
 NUM_SMS = 132  # an H200
 CALLS: list[tuple[str, dict]] = []

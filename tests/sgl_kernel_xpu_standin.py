@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from dsv4_compile import layout
-from dsv4_compile.kernels import reference
+from dsv4_compile.providers import reference
 
 
 @dataclass

@@ -163,7 +163,7 @@ def test_decode_chunking_is_invisible(monkeypatch):
     """One query row per step of the reference (a tiny :data:`reference.CHUNK_BYTES`) gives the
     whole call's result within the reference tolerance (not bit for bit: BLAS may sum a smaller
     batch in another order, and does on some CPUs)."""
-    from dsv4_compile.kernels import reference
+    from dsv4_compile.providers import reference
 
     cache, _ = filled_cache(2, 8)
     q = torch.randn(5, 2, 4, 512, dtype=torch.bfloat16)
@@ -178,7 +178,7 @@ def test_decode_chunking_is_invisible(monkeypatch):
 def test_decode_key_blocks_match_float64(monkeypatch):
     """Rows wider than one key block merge their blocks (running max, rescaled sums) exactly
     enough: a 3-key block size gives the float64 model's result within the reference tolerance."""
-    from dsv4_compile.kernels import reference
+    from dsv4_compile.providers import reference
 
     cache, _ = filled_cache(4, 16)
     table = decoded(cache, 16)

@@ -11,7 +11,8 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import dispatch
-from dsv4_compile.kernels import flashmla, reference
+from dsv4_compile.providers import reference
+from dsv4_compile.providers.flashmla import adapter as flashmla
 from dsv4_compile.ops.decode import decode_outputs
 
 import flashmla_standin as standin
@@ -172,9 +173,9 @@ def test_stacked_metadata_is_the_op_per_entry(provider):
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
 def test_own_schedule_only_where_it_was_checked_against_the_library(provider, monkeypatch, capability):
-    """Our Triton schedule (kernels/flashmla_schedule.py) serves ``flashmla`` on SM90, where
+    """Our Triton schedule (providers/flashmla/schedule.py) serves ``flashmla`` on SM90, where
     test_flashmla_schedule.py compares it with FlashMLA's own; elsewhere the library schedules."""
-    from dsv4_compile.kernels import flashmla_schedule
+    from dsv4_compile.providers.flashmla import schedule as flashmla_schedule
 
     monkeypatch.setattr(flashmla_schedule, "available", lambda device: True)
     monkeypatch.setattr(flashmla, "_capability", lambda device: capability)

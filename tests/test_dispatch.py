@@ -9,7 +9,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import checks, dispatch
-from dsv4_compile.kernels import reference
+from dsv4_compile.providers import reference
 from dsv4_compile.ops.decode import decode_outputs, metadata_outputs
 
 from helpers import filled_cache, random_indices

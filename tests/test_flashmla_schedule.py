@@ -1,5 +1,5 @@
 """FlashMLA's SM90 sparse-decode schedule from our Triton program
-(``dsv4_compile/kernels/flashmla_schedule.py``; the rule is in its docstring).
+(``dsv4_compile/providers/flashmla/schedule.py``; the rule is in its docstring).
 
 Where it runs: CPU under ``TRITON_INTERPRET=1`` (the ``device="cpu"`` cases, in the child pytest of
 :func:`test_interpreted_suite`, as in ``test_triton_store.py``), and CUDA (``cuda`` marker), where
@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsv4_compile.kernels import flashmla, flashmla_schedule  # noqa: E402
+from dsv4_compile.providers.flashmla import adapter as flashmla, schedule as flashmla_schedule  # noqa: E402
 from helpers import run_interpreted_child  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

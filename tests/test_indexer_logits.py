@@ -24,7 +24,7 @@ if INTERPRETED:
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch  # noqa: E402
-from dsv4_compile.kernels import reference  # noqa: E402
+from dsv4_compile.providers import reference  # noqa: E402
 from dsv4_compile.tolerances import INDEXER_ULPS_PER_TERM  # noqa: E402
 
 OP = torch.ops.dsv4.indexer_logits.default
@@ -118,7 +118,7 @@ def test_reference_chunks_rows_and_columns(monkeypatch):
 def test_tf32x3_only_on_nvidia_gpus_with_tensor_cores(monkeypatch):
     """3xTF32 scores on CUDA devices of compute capability 8.0+ with compiled kernels; float32
     FMAs on older GPUs, ROCm and CPU (here stand-in SM80 and SM75 devices)."""
-    from dsv4_compile.kernels import triton_common, triton_indexer
+    from dsv4_compile.providers.triton import common as triton_common, indexer as triton_indexer
 
     pytest.importorskip("triton")
     triton_indexer._triton()
@@ -141,7 +141,7 @@ def triton_logits(args):
     if args[0].device.type == "cuda":
         assert d4.providers("cuda")["indexer_logits"] == "triton"
         return d4.indexer_logits(*args)
-    from dsv4_compile.kernels import triton_indexer
+    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     d4.ops.indexer.check_indexer_logits(*args)
     return triton_indexer.indexer_logits(*args)
@@ -219,7 +219,7 @@ def test_triton_nan_stays_nan(device):
 def test_triton_programs_per_row_change_no_bit(device):
     """However many programs share a row's column blocks (one takes all five; two take three and
     two; five take one each), every logit has the same bits, within the float32 bound."""
-    from dsv4_compile.kernels import triton_common, triton_indexer
+    from dsv4_compile.providers.triton import common as triton_common, indexer as triton_indexer
 
     args = make_case(3, 5, 32, 300, 400, device=device)  # 5 blocks of 64 columns per row
     triton_indexer._triton()
@@ -237,7 +237,7 @@ def test_triton_programs_per_row_change_no_bit(device):
 def test_programs_per_row_fill_the_device_once(monkeypatch):
     """The rule: PROGRAMS_PER_UNIT programs per SM over the rows, at least 1 and at most the
     row's column blocks (H200: 132 SMs)."""
-    from dsv4_compile.kernels import triton_common, triton_indexer
+    from dsv4_compile.providers.triton import common as triton_common, indexer as triton_indexer
 
     monkeypatch.setattr(triton_common, "compute_units", lambda device: 132)
     cuda = torch.device("cuda")

@@ -24,7 +24,7 @@ if INTERPRETED:
     patch_triton_interpreter()
 
 import dsv4_compile as d4  # noqa: E402
-from dsv4_compile.kernels import reference  # noqa: E402
+from dsv4_compile.providers import reference  # noqa: E402
 
 TRITON_DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
 not_interpreted = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process")
@@ -100,7 +100,7 @@ def test_reference_chunks_rows(monkeypatch):
 @pytest.fixture
 def launched(monkeypatch):
     """The names of the Triton kernels launched through ``triton_common.eager``, in order."""
-    from dsv4_compile.kernels import triton_common
+    from dsv4_compile.providers.triton import common as triton_common
 
     names, eager = [], triton_common.eager
     monkeypatch.setattr(triton_common, "eager", lambda kernel: names.append(kernel.fn.__name__) or eager(kernel))
@@ -113,7 +113,7 @@ def triton_topk(logits, k):
     if logits.device.type == "cuda":
         assert d4.providers("cuda")["indexer_topk"] == "triton"
         return d4.indexer_topk(logits, k)
-    from dsv4_compile.kernels import triton_indexer
+    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     d4.ops.indexer.check_indexer_topk(logits, k)
     return triton_indexer.indexer_topk(logits, k)
@@ -132,10 +132,10 @@ def test_triton_against_stable_sort(case, device):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("case", ["dsv4", "odd", "all", "one"])
 def test_triton_looped_program_against_stable_sort(case, device, launched):
-    """The program for rows wider than :data:`~.triton_indexer.TOPK_MAX_WIDTH` with a ``k`` past a
+    """The program for rows wider than :data:`~.triton.indexer.TOPK_MAX_WIDTH` with a ``k`` past a
     quarter of a piece, read 256 columns at a time here (several chunks, a partial last one, a row
     within one chunk), and on a strided row: the same indices."""
-    from dsv4_compile.kernels import triton_indexer
+    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     triton_indexer._triton()  # (the launcher takes the jitted kernels the op's entry point makes)
     rows, width, k = CASES[case]
@@ -153,11 +153,11 @@ def test_triton_looped_program_against_stable_sort(case, device, launched):
 @pytest.mark.parametrize("rows, width, k, steps", [(3, 5000, 60, 3), (4, 700, 64, 1), (2, 4096, 1, 1), (5, 37, 5, 0)],
                          ids=["three-steps", "short-last-piece", "k1", "one-piece"])
 def test_triton_split_program_against_stable_sort(rows, width, k, steps, device, launched):
-    """The program for rows wider than :data:`~.triton_indexer.TOPK_CHUNK`, by 256-column
+    """The program for rows wider than :data:`~.triton.indexer.TOPK_CHUNK`, by 256-column
     pieces here: three steps, the last with a piece narrower than ``k`` (5000 columns: 1200, 300,
     then 104 candidates), one (700 columns: 192 candidates), a row within one piece; a row of equal values
     (the first ``k`` columns, whatever the pieces); a strided row: the same indices."""
-    from dsv4_compile.kernels import triton_indexer
+    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     triton_indexer._triton()
     logits = make_logits(rows, width, device)
@@ -255,11 +255,11 @@ def test_compiled_equals_eager_with_dynamic_rows():
 
 @pytest.mark.cuda
 def test_cuda_wide_rows_take_the_rules_program(launched):
-    """Past :data:`~.triton_indexer.TOPK_CHUNK` columns (``max_seq_len`` past 16384 at ratio 4)
+    """Past :data:`~.triton.indexer.TOPK_CHUNK` columns (``max_seq_len`` past 16384 at ratio 4)
     by pieces (two launches each here) at any row count; with a ``k`` past a quarter of a piece, in
-    registers up to :data:`~.triton_indexer.TOPK_MAX_WIDTH` columns and by the looped program
+    registers up to :data:`~.triton.indexer.TOPK_MAX_WIDTH` columns and by the looped program
     beyond: the same indices."""
-    from dsv4_compile.kernels import triton_indexer
+    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     chunk, widest = triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_MAX_WIDTH
     launches = {"split": ["_topk_kernel"] * 2, "registers": ["_topk_kernel"], "looped": ["_topk_looped_kernel"]}

@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-from dsv4_compile.kernels import reference
+from dsv4_compile.providers import reference
 
 SLACK = 16 << 20  # allocator and interpreter noise
 MMAP_THRESHOLD = 1 << 20  # glibc: blocks of 1 MiB or more are mapped, and unmapped when freed

@@ -88,7 +88,7 @@ def test_inverse_undoes_the_rotation():
 def test_reference_rotates_in_blocks_of_tokens(monkeypatch):
     """The reference's float32 temporaries stay within ``CHUNK_BYTES``: several blocks of tokens,
     the same bits as one."""
-    from dsv4_compile.kernels import reference
+    from dsv4_compile.providers import reference
 
     x, freqs, positions = inputs((9, 4, 512), torch.bfloat16)
     whole = x.clone()
@@ -110,7 +110,7 @@ def triton_rope_(x, freqs, positions, inverse):
     if x.device.type == "cuda":
         assert d4.providers("cuda")["rope_"] == "triton"
         return d4.rope_(x, freqs, positions, inverse)
-    from dsv4_compile.kernels import triton_rope
+    from dsv4_compile.providers.triton import rope as triton_rope
 
     d4.ops.rope.check_rope(x, freqs, positions, inverse)
     return triton_rope.rope_(x, freqs, positions, inverse)

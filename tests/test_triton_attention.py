@@ -1,4 +1,4 @@
-"""The Triton decode / prefill kernels (``dsv4_compile/kernels/triton_attention.py``) against the
+"""The Triton decode / prefill kernels (``dsv4_compile/providers/triton/attention.py``) against the
 reference.
 
 Where it runs (as ``test_triton_store.py`` does):
@@ -37,7 +37,8 @@ if INTERPRETED:
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
-from dsv4_compile.kernels import reference, triton_attention as ta, triton_common  # noqa: E402
+from dsv4_compile.providers import reference  # noqa: E402
+from dsv4_compile.providers.triton import attention as ta, common as triton_common  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_BYTES,
@@ -309,7 +310,7 @@ def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
 
 
 def _rank_kernel(blocks_ptr, rows, out_ptr, ROWS: tl.constexpr, BINS: tl.constexpr):
-    """Program ``p`` stores the row of rank ``p`` (:func:`triton_attention._longest_first`)."""
+    """Program ``p`` stores the row of rank ``p`` (:func:`ta._longest_first`)."""
     r = tl.arange(0, ROWS)
     live = r < rows
     blocks = tl.load(blocks_ptr + r, mask=live, other=0)

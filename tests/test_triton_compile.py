@@ -34,8 +34,9 @@ if not triton.__version__.startswith(CHECKED_TRITON):
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import layout  # noqa: E402
-from dsv4_compile.kernels import (  # noqa: E402
-    flashmla_schedule, triton_attention, triton_indexer, triton_rope, triton_store,
+from dsv4_compile.providers.flashmla import schedule as flashmla_schedule  # noqa: E402
+from dsv4_compile.providers.triton import (  # noqa: E402
+    attention as triton_attention, indexer as triton_indexer, rope as triton_rope, store as triton_store,
 )
 import triton_offline  # noqa: E402  (this directory's tool)
 

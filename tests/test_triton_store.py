@@ -1,4 +1,4 @@
-"""The Triton store kernel (``dsv4_compile/kernels/triton_store.py``) against the reference.
+"""The Triton store kernel (``dsv4_compile/providers/triton/store.py``) against the reference.
 
 Where it runs:
 
@@ -33,7 +33,8 @@ tl = triton.language
 
 import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
-from dsv4_compile.kernels import reference, triton_common, triton_store  # noqa: E402
+from dsv4_compile.providers import reference  # noqa: E402
+from dsv4_compile.providers.triton import common as triton_common, store as triton_store  # noqa: E402
 from dsv4_compile.tolerances import STORE_FP8_STEP  # noqa: E402
 from helpers import report, run_interpreted_child, store_inputs  # noqa: E402
 
@@ -380,7 +381,7 @@ def test_rounding_helpers_are_exact(device, hardware):
     """The kernel's rounding equals torch's casts and ``reference.ue8m0_exponent``, bit for bit:
     every fp8 tie and its neighbours, bf16 ties, inf/NaN, exponents at powers of two; in integer
     arithmetic (every backend) and with the conversion instructions (``cvt``: where
-    :func:`~dsv4_compile.kernels.triton_common.hardware_conversions` picks them)."""
+    :func:`~dsv4_compile.providers.triton.common.hardware_conversions` picks them)."""
     if hardware and not (device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("the conversion instructions need an NVIDIA GPU of compute capability 8.9+")
     grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -516,7 +517,7 @@ def test_op_on_cuda_uses_triton_and_matches_reference():
 def test_eager_launcher_compiles_per_alignment():
     """Eager launches reuse a compiled kernel per specialisation: a kv whose rows start 2 bytes
     off 16-byte alignment gets its own kernel, and every call matches the reference."""
-    from dsv4_compile.kernels import triton_common
+    from dsv4_compile.providers.triton import common as triton_common
 
     launcher = triton_common.eager(triton_store._store_kernel)
     launcher.plans.clear()
@@ -539,7 +540,7 @@ def test_eager_launches_call_launch_hooks_when_set():
     as Triton's own launcher shows it."""
     from triton import knobs
 
-    from dsv4_compile.kernels import triton_common
+    from dsv4_compile.providers.triton import common as triton_common
 
     args = make_case("cuda", 12, 64)
     run_both(args)  # compiles; the next launches reuse the plan

@@ -23,8 +23,8 @@ import torch
 import dsv4_compile  # noqa: F401  (registers the ops)
 import sgl_kernel_xpu_standin
 from dsv4_compile import dispatch, layout, tolerances
-from dsv4_compile.kernels import reference, triton_store
-from dsv4_compile.kernels import xpu as xpu_kernels
+from dsv4_compile.providers import reference, sgl_kernel_xpu as xpu_kernels
+from dsv4_compile.providers.triton import store as triton_store
 from dsv4_compile.ops.decode import decode_outputs
 from dsv4_compile.ops.prefill import prefill_outputs
 from helpers import (
@@ -224,7 +224,7 @@ def test_importing_the_package_never_imports_sgl_kernel():
 
         sys.meta_path.insert(0, Trap())
         import torch, dsv4_compile
-        from dsv4_compile.kernels import xpu
+        from dsv4_compile.providers import sgl_kernel_xpu as xpu
         xpu.register()
         dsv4_compile.providers("cpu")
         q = torch.zeros(1, 1, 8, 512, dtype=torch.bfloat16)

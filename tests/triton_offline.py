@@ -2,11 +2,11 @@
 
 :func:`recorded` makes the provider entry points record their launches (on CPU tensors) instead of
 running them, with the choices a GPU of a given compute capability gets: the launch geometries
-(:func:`dsv4_compile.kernels.triton_attention._geometry_capability`, :data:`SHARED_PER_BLOCK`) and the conversion
-instructions (:func:`dsv4_compile.kernels.triton_common.nvidia_compiled`). :func:`compile_launch` compiles one
-recorded launch as Triton specialises the real one (an int argument equal to 1 made a constant,
-16-byte aligned pointers and ints divisible by 16 marked so), through PTX to a cubin with the
-``ptxas`` Triton ships. Used by ``tests/test_triton_compile.py`` (every kernel compiles) and
+(:func:`dsv4_compile.providers.triton.attention._geometry_capability`, :data:`SHARED_PER_BLOCK`)
+and the conversion instructions (:func:`dsv4_compile.providers.triton.common.nvidia_compiled`).
+:func:`compile_launch` compiles one recorded launch as Triton specialises the real one (an int
+argument equal to 1 made a constant, 16-byte aligned pointers and ints divisible by 16 marked so),
+through PTX to a cubin with the ``ptxas`` Triton ships. Used by ``tests/test_triton_compile.py`` (every kernel compiles) and
 ``scripts/kernel_sass.py`` (where a kernel's machine code spends its instructions).
 """
 
@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from dsv4_compile.kernels import triton_attention, triton_common
+from dsv4_compile.providers.triton import attention as triton_attention, common as triton_common
 
 #: Triton's names of the tensor dtypes the kernels take
 POINTER_TYPES = {

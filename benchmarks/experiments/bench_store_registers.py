@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import dsv4_compile as d4
-from dsv4_compile.kernels import triton_store
+from dsv4_compile.providers.triton import store as triton_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: the modules imported below
 import bench_store  # noqa: E402

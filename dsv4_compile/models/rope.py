@@ -25,7 +25,7 @@ import math
 import torch
 
 from .. import layout
-from ..kernels import reference
+from ..providers import reference
 from .config import DeepseekV4Config
 
 
@@ -95,7 +95,7 @@ def apply_rope(
 
     Forward: ``(a, b) -> (a c - b s, a s + b c)``; inverse (the conjugate rotation):
     ``(a, b) -> (a c + b s, b c - a s)``. Returns float32 of ``x``'s shape. The arithmetic of the
-    ``dsv4`` ops' reference (:func:`dsv4_compile.kernels.reference.rope`), so the model's
+    ``dsv4`` ops' reference (:func:`dsv4_compile.providers.reference.rope`), so the model's
     rotations and the ops' agree bit for bit.
     """
     return reference.rope(x, table, positions, inverse)

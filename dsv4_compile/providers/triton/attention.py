@@ -55,8 +55,8 @@ size); slot -> (page, offset) is a shift and a mask when the page size is a powe
 (about 180 more instructions per thread and 64-key block on SM90).
 
 Importing this module imports no Triton: the kernel functions are plain Python until the provider
-first loads (:func:`_triton`), as in :mod:`.triton_store`. Under ``torch.compile`` the ops are
-decomposed into their Triton launches (a FunctionalTensorMode rule, as :mod:`.triton_store` does
+first loads (:func:`_triton`), as in :mod:`.store`. Under ``torch.compile`` the ops are
+decomposed into their Triton launches (a FunctionalTensorMode rule, as :mod:`.store` does
 for the store) when this module's kernel serves the op on the device at compile time
 (:func:`inlines`), so Inductor sees the launches and allocates their outputs itself.
 """
@@ -70,11 +70,12 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import dispatch, layout
-from ..ops import registry
-from ..ops.decode import decode_outputs
-from ..ops.prefill import prefill_outputs
-from . import reference, triton_common
+from ... import dispatch, layout
+from ...ops import registry
+from ...ops.decode import decode_outputs
+from ...ops.prefill import prefill_outputs
+from .. import reference
+from . import common as triton_common
 
 DECODE = "flash_mla_with_kvcache"
 PREFILL = "flash_mla_sparse_fwd"
@@ -150,7 +151,7 @@ ORDER_MAX_ROWS = 4096
 
 def _geometry_capability(device: torch.device) -> tuple[int, int] | None:
     """The NVIDIA compute capability whose launch geometries ``device`` takes: SM90's in the
-    interpreter (CPU tensors), else :func:`.triton_common.nvidia_capability` (None: not an NVIDIA
+    interpreter (CPU tensors), else :func:`.common.nvidia_capability` (None: not an NVIDIA
     GPU)."""
     return (9, 0) if device.type == "cpu" else triton_common.nvidia_capability(device)
 
@@ -166,7 +167,7 @@ def prefill_config(device: torch.device) -> Config:
     """The prefill launch geometry for ``device``: :data:`PREFILL_CONFIG` on SM90 (and in the
     interpreter), :data:`PREFILL_CONFIG_SM100` on SM100; elsewhere :data:`PREFILL_CONFIG_SMALL`, or
     :data:`PREFILL_CONFIG_LOW_SHARED` where a program may take less shared memory than it needs
-    (:func:`.triton_common.shared_memory_per_block`)."""
+    (:func:`.common.shared_memory_per_block`)."""
     capability = _geometry_capability(device)
     major = capability[0] if capability else None
     if major == 9:
@@ -461,7 +462,7 @@ def _decode_kernel(
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
-    ``HW``: fp8 by conversion instructions (:func:`.triton_common.hardware_conversions`).
+    ``HW``: fp8 by conversion instructions (:func:`.common.hardware_conversions`).
     ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
     2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
@@ -622,7 +623,7 @@ _JITTED = (
     "_combine_kernel", "_prefill_kernel",
 )
 def _triton():
-    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
+    """Import Triton and jit this module's kernels in place, once (:mod:`.common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
@@ -853,7 +854,7 @@ register()
 
 def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     """Whether ``torch.compile`` traces attention op ``op`` on ``device`` (for a call with ``args``)
-    into this module's launches (:func:`.triton_common.inlines`)."""
+    into this module's launches (:func:`.common.inlines`)."""
     return triton_common.inlines(op, device, args, KERNELS[op], _decode_kernel)
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch, layout
-from . import triton_common
+from ... import dispatch, layout
+from . import common as triton_common
 
 NAME = "triton"
 OP = "rope_"
@@ -67,7 +67,7 @@ _JITTED = ("_nearest", "_rope_kernel")
 
 
 def _triton():
-    """Import Triton and jit this module's kernel in place, once (:mod:`.triton_common`)."""
+    """Import Triton and jit this module's kernel in place, once (:mod:`.common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 

@@ -4,7 +4,7 @@ FlashMLA's SM90 sparse decode spreads the key blocks of a batch over ``num_sm_pa
 per group of SMs); its scheduler, a one-thread CUDA kernel that visits the parts one after the
 other, writes what each part computes. The library runs that kernel only inside its decode, so
 asking it for a schedule takes a decode over a dummy cache
-(:meth:`.flashmla.FlashMLAKernels.library_schedule`, where this program is not used: SM100,
+(:meth:`.adapter.FlashMLAKernels.library_schedule`, where this program is not used: SM100,
 ``sgl_kernel``): on the H200 ~35 us per call in a CUDA graph at batch 1, against ~3 us here. This
 program computes the same tensors, bit for bit (``tests/test_flashmla_schedule.py`` compares them
 with the library's on the GPU), in one launch: the requests one after the other (a serial chain
@@ -35,15 +35,15 @@ part holds one request), and ``num_splits = [0, cumsum(pieces_i)]``. Parts after
 hold ``[batch, batch - 1, 0, n_(batch-1), 0, 0, 0, 0]``, as the library writes them; the
 decode skips those parts.
 
-Importing this module imports no Triton (:func:`.triton_common.jit_in_place`).
+Importing this module imports no Triton (:func:`.triton.common.jit_in_place`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import dispatch
-from . import triton_common
+from ... import dispatch
+from ..triton import common as triton_common
 
 #: FlashMLA's SM90 sparse-decode scheduling constants (``Decode_Sm90_Impl::get_meta``).
 BLOCK = 64
@@ -258,7 +258,7 @@ _JITTED = ("_lay", "_terms", "_lay4", "_schedule", "_schedule_kernel")
 
 
 def _triton():
-    """Import Triton and jit this module's kernel in place, once (:mod:`.triton_common`)."""
+    """Import Triton and jit this module's kernel in place, once (:mod:`.triton.common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 

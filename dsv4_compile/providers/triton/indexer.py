@@ -31,7 +31,7 @@ Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a quarter of a piece: a p
 that reads it in chunks, four 256-bin histogram passes (a radix select a byte at a time: fewer
 reads of the row than a bit at a time), then one pass that writes.
 
-Importing this module imports no Triton (:mod:`.triton_common`). Under ``torch.compile`` the op
+Importing this module imports no Triton (:mod:`.common`). Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
 take it as any other op.
 """
@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch
-from ..ops.indexer import indexer_logits_output, indexer_topk_output
-from . import triton_common
+from ... import dispatch
+from ...ops.indexer import indexer_logits_output, indexer_topk_output
+from . import common as triton_common
 
 OP, TOPK = "indexer_logits", "indexer_topk"
 NAME = "triton"
@@ -248,7 +248,7 @@ _JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_write", "_topk_k
 
 
 def _triton():
-    """Import Triton and jit this module's kernel in place, once (:mod:`.triton_common`)."""
+    """Import Triton and jit this module's kernel in place, once (:mod:`.common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 

@@ -20,7 +20,7 @@ kernels (docs/design.md §2.3, §6):
   uint8 tensor (once per cache tensor), page stride kept;
 * statistics: always natural log, always three prefill outputs;
 * scheduler metadata: plain tensors (see :meth:`FlashMLAKernels.get_mla_metadata`; on SM90
-  computed by our Triton program, :mod:`.flashmla_schedule`), or computed inside the call (always
+  computed by our Triton program, :mod:`.schedule`), or computed inside the call (always
   for V4.1 caches: the metadata op schedules for the V4 kernels).
 
 Everything is sized from shapes: no host sync, capture-safe, unless checked mode is on.
@@ -36,10 +36,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .. import checks, dispatch, layout
-from ..ops.decode import check_decode, decode_outputs, metadata_outputs
-from ..ops.prefill import check_prefill, prefill_outputs
-from . import flashmla_schedule
+from ... import checks, dispatch, layout
+from ...ops.decode import check_decode, decode_outputs, metadata_outputs
+from ...ops.prefill import check_prefill, prefill_outputs
+from . import schedule as flashmla_schedule
 
 DECODE_TOPK_MULTIPLE = 64
 PREFILL_TOPK_MULTIPLE = 128  # SM90 needs 128 (SM100: 64); 128 serves both
@@ -101,7 +101,7 @@ class FlashMLAKernels:
     (``dispatch.Provider.validates``, :data:`FLASHMLA_VALIDATES`): the trampoline has not run the
     metadata checks for them, so these kernels run them wherever FlashMLA would not see a
     malformed call; for the other ops the trampoline has run them. ``own_schedule``: compute the
-    scheduler metadata with :mod:`.flashmla_schedule` (the library's schedule, bit for bit, where
+    scheduler metadata with :mod:`.schedule` (the library's schedule, bit for bit, where
     that was checked: SM90's legacy kernels) instead of asking the library."""
 
     def __init__(self, name: str, namespace, device: torch.device, prefill_log2: bool,
@@ -129,7 +129,7 @@ class FlashMLAKernels:
 
     def get_mla_metadata(self, q, indices, topk_length, extra_indices, extra_topk_length):
         """The exact scheduler FlashMLA's decode computes for these shapes and length values: from
-        :mod:`.flashmla_schedule` where it computes the library's (``own_schedule``: SM90's
+        :mod:`.schedule` where it computes the library's (``own_schedule``: SM90's
         legacy kernels), else from the library itself (:meth:`library_schedule`)."""
         batch, s_q, heads = q.shape[:3]
         meta_shape, splits_shape = metadata_shapes(q.device, batch, s_q, heads)
@@ -143,7 +143,7 @@ class FlashMLAKernels:
 
     def get_mla_metadata_stacked(self, q, topk, topk_length, extra_topk, extra_topk_length):
         """:meth:`get_mla_metadata` for each entry, stacked; on SM90 (``own_schedule``) all of
-        them from one launch (:func:`.flashmla_schedule.schedules`)."""
+        them from one launch (:func:`.schedule.schedules`)."""
         batch, s_q, heads = q.shape[:3]
         meta_shape, _ = metadata_shapes(q.device, batch, s_q, heads)
         if batch == 0 or s_q == 0 or not topk:  # FlashMLA refuses empty launches; the decode will not launch

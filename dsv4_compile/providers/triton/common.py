@@ -1,5 +1,4 @@
-"""What the Triton kernel modules (:mod:`.triton_store`, :mod:`.triton_attention`,
-:mod:`.triton_indexer`) share.
+"""What the Triton kernel modules (:mod:`.store`, :mod:`.attention`, :mod:`.indexer`) share.
 
 * Lazy Triton: importing ``dsv4_compile`` must not import Triton (slow, and absent on many CPU
   machines). The kernel modules define their ``@triton.jit`` functions and ``tl.constexpr``
@@ -22,8 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .. import checks, dispatch
-from ..ops import registry
+from ... import checks, dispatch
+from ...ops import registry
 
 DEVICE_TYPES = ("cuda", "xpu")
 #: Triton backends that serve each device type.

@@ -14,7 +14,7 @@ layout.NAN_SCALE_RECORD), as the reference does; written as bytes: the 576-byte 
 (``e + 127`` x 7, then a 0 pad byte) at ``page*S + P*576 + off*8``; negative slots write nothing.
 
 Rounding: on NVIDIA GPUs of compute capability 8.9+ by the conversion instructions (fp8 and
-bf16 ``cvt.rn``; :func:`.triton_common.hardware_conversions`), elsewhere (SM80, XPU, ROCm, the
+bf16 ``cvt.rn``; :func:`.common.hardware_conversions`), elsewhere (SM80, XPU, ROCm, the
 interpreter) in integer arithmetic on the fp32 bit patterns; both give the same bits, round to
 nearest even, so the kernel runs on any GPU Triton targets and produces the reference's bytes
 given the same ``y``;
@@ -38,9 +38,9 @@ import functools
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from .. import dispatch, layout
-from ..ops import registry
-from . import triton_common
+from ... import dispatch, layout
+from ...ops import registry
+from . import common as triton_common
 
 OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
@@ -200,7 +200,7 @@ def _store_kernel(
 ):
     """V4 (584-byte tokens): ``FUSED`` (the fused K store) or the plain quantize-and-store;
     ``HW``: fp8 / bf16 rounding by conversion instructions
-    (:func:`.triton_common.hardware_conversions`)."""
+    (:func:`.common.hardware_conversions`)."""
     # (the token rows are read here, not in a helper: torch's analysis of which pointers a Triton
     # kernel mutates counts a pointer passed to a helper that returns loaded values as written)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] token rows
@@ -283,7 +283,7 @@ def _v41_fp4(values, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexp
 
 def _e2m1_bytes(values, s, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.constexpr):
     """The e2m1 codes of ``x / s`` rounded to fp32 (IEEE; ties to even, saturating at 6, the sign
-    bit kept), as :func:`~dsv4_compile.kernels.reference.e2m1_codes` reads them, for the finite fp32
+    bit kept), as :func:`~dsv4_compile.providers.reference.e2m1_codes` reads them, for the finite fp32
     values ``x`` of ``values [BT, WIDTH]`` (``BF16``: all bf16 values, as the store's are but for a
     plain store of float16 / float32 ``kv``) and their groups' e4m3 scales ``s [BT, WIDTH // 16]``
     in [2^-9, 448], without dividing; two codes a byte (int32 0..255), the even-indexed value's in
@@ -420,7 +420,7 @@ _JITTED = (
     "_v41_bytes", "_store_v41_kernel",
 )
 def _triton():
-    """Import Triton and jit this module's kernels in place, once (:mod:`.triton_common`)."""
+    """Import Triton and jit this module's kernels in place, once (:mod:`.common`)."""
     return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
 
 
@@ -502,7 +502,7 @@ register()
 
 def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     """Whether ``torch.compile`` traces store op ``op`` on ``device`` (for a call with ``args``) into
-    a visible launch of this module's kernel (:func:`.triton_common.inlines`)."""
+    a visible launch of this module's kernel (:func:`.common.inlines`)."""
     return triton_common.inlines(op, device, args, KERNELS[op], _store_kernel)
 
 
