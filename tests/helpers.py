@@ -248,13 +248,30 @@ def assert_garbage_is_invisible(run, heads: int, byte: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(clean, dirty)), op
 
 
-def assert_same_choices_but_near_ties(logits, chosen, other, margin: float) -> None:
+def assert_steps_close(got, want, atol_of, first_step: int = 0) -> None:
+    """Each step's ``got`` within ``atol_of(want)`` of its ``want`` (``atol_of``: one of the
+    ``tolerances.*_atol``, derived from the rounding the two computations may differ by), with no
+    relative term; a failure names the step (counted from ``first_step``)."""
+    for step, (g, w) in enumerate(zip(got, want, strict=True), start=first_step):
+        torch.testing.assert_close(g, w, atol=atol_of(w), rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
+def near_tie_margin(logits, atol_of) -> float:
+    """How far below the top logit another run's choice may lie when both runs' logits of every
+    step agree within ``atol_of`` (:func:`assert_steps_close`): each of two logits may move by that
+    much, so only choices within twice the tolerance can swap."""
+    return 2 * max(map(atol_of, logits))
+
+
+def assert_same_choices_but_near_ties(logits, chosen, other, atol_of) -> None:
     """``other``'s greedy tokens are ``chosen``'s (the run whose ``logits`` of every step these
-    are), except where ``other``'s token lies within ``margin`` of the top logit: a near-tie that
-    two computations rounding differently (compiled vs eager, sharded vs not, chunked vs one step)
-    may break either way. Compare runs fed the same tokens (``generate(..., follow=...)``)."""
+    are), except where ``other``'s token lies within :func:`near_tie_margin` of the top logit: a
+    near-tie that two computations rounding differently (compiled vs eager, sharded vs not, chunked
+    vs one step) may break either way. Compare runs fed the same tokens (``generate(...,
+    follow=...)``), their logits within ``atol_of``."""
     from dsv4_compile.generation import choice_margins
 
+    margin = near_tie_margin(logits, atol_of)
     margins = choice_margins(logits, chosen, other)
     assert max(margins, default=0.0) <= margin, f"choices differ {margins} below the top logit: {chosen} vs {other}"
 

@@ -28,7 +28,7 @@ from dsv4_compile.models import (
 )
 from dsv4_compile.models.model import residual_add
 from dsv4_compile.tolerances import regrouped_atol, reordered_atol, rerounded_atol
-from helpers import assert_same_choices_but_near_ties
+from helpers import assert_same_choices_but_near_ties, assert_steps_close
 from test_block import assert_no_cache_copy
 
 CFG = tiny_config(sliding_window=32)
@@ -129,10 +129,8 @@ def test_chunked_prefill_equals_one_prefill(chunk_tokens):
         got_tokens = generate(model, model, prompts(), STEPS, "cpu", chunk_tokens=chunk_tokens, follow=want_tokens,
                               on_step=lambda s, l: got_logits.append(l))
     torch.testing.assert_close(got, want, atol=regrouped_atol(want), rtol=0)
-    for step, (g, w) in enumerate(zip(got_logits, want_logits, strict=True)):
-        torch.testing.assert_close(g, w, atol=rerounded_atol(w), rtol=0, msg=lambda m: f"step {step}: {m}")
-    margin = 2 * max(map(rerounded_atol, want_logits))
-    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, margin=margin)
+    assert_steps_close(got_logits, want_logits, rerounded_atol)
+    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, rerounded_atol)
 
 
 def test_residual_add_has_the_bits_of_the_bf16_add():
@@ -217,10 +215,8 @@ def test_compiled_decode_generates_what_eager_generates(kv_format):
     assert "torch.ops.dsv4.get_mla_metadata.default(" not in code
     for layer in compiled_model.layers:
         assert_no_cache_copy(code, layer.attn)
-    for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
-        torch.testing.assert_close(got, want, atol=rerounded_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
-    margin = 2 * max(map(rerounded_atol, want_logits))
-    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, margin=margin)
+    assert_steps_close(got_logits, want_logits, rerounded_atol)
+    assert_same_choices_but_near_ties(want_logits, want_tokens, got_tokens, rerounded_atol)
 
 
 #: torch 2.10's CPU Inductor fails to generate code with emulated casts (``CppVecOverrides.to_dtype()
@@ -246,8 +242,7 @@ def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(kv_format):
     torch._dynamo.reset()
     compiled = torch.compile(compiled_model, fullgraph=True, options={"emulate_precision_casts": True})
     _, got_logits = run_generation(compiled_model, compiled, follow=want_tokens)
-    for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
-        torch.testing.assert_close(got, want, atol=reordered_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
+    assert_steps_close(got_logits, want_logits, reordered_atol)
 
 
 def test_decode_schedules_every_kind_at_once_from_what_its_layers_pass(monkeypatch):
@@ -334,8 +329,7 @@ def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(kv_format):
     code skips bf16 roundings), for every cache format."""
     got_logits, want_logits, skips = reduce_overhead_decode(kv_format)
     assert skips == 0
-    for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True), start=1):
-        torch.testing.assert_close(got, want, atol=rerounded_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
+    assert_steps_close(got_logits, want_logits, rerounded_atol, first_step=1)
 
 
 @pytest.mark.cuda
@@ -347,8 +341,7 @@ def test_cuda_reduce_overhead_with_eager_roundings_gives_the_eager_logits(kv_for
     above needs a tolerance for the skipped roundings (measured on the H200: benchmarks/RESULTS.md)."""
     got_logits, want_logits, skips = reduce_overhead_decode(kv_format, emulate_precision_casts=True)
     assert skips == 0
-    for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True), start=1):
-        torch.testing.assert_close(got, want, atol=reordered_atol(want), rtol=0, msg=lambda m: f"step {step}: {m}")
+    assert_steps_close(got_logits, want_logits, reordered_atol, first_step=1)
 
 
 @pytest.mark.cuda

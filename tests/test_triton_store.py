@@ -731,9 +731,9 @@ def test_compile_launches_the_triton_kernel_in_place():
 @compiled_triton
 def test_compile_with_dynamic_token_count():
     """A compile with dynamic shapes serves several token counts, byte-exact at every count, with
-    at most one recompile: a symbolic token count keeps the opaque op, since the visible launch
-    traced with one rounds a RoPE value otherwise than the eager launch at 1025 tokens
-    (``scripts/repro_triton_symbolic_store.py``)."""
+    at most one recompile. (Byte-exact because a symbolic token count keeps the opaque op: the
+    visible launch traced with one rounds a RoPE value otherwise than the eager launch at 1025
+    tokens, ``scripts/repro_triton_symbolic_store.py``.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
