@@ -148,7 +148,7 @@ def cuda_raw_calls() -> dict:
     def store(*args):  # the jitted kernel launched as is (Triton's own launcher)
         triton_store._triton()
         if "kernels" in inspect.signature(triton_store._launch).parameters:
-            return {"raw_op": lambda: triton_store._launch(lambda kernel: kernel, *args, "v4", True)}
+            return {"raw_op": lambda: triton_store._launch(lambda kernel: kernel, *args, layout.V4, True)}
         # the package before 0.2 (before/after tables): _launch(kernel, *args)
         return {"raw_op": lambda: triton_store._launch(triton_store._store_kernel, *args)}
 

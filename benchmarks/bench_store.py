@@ -78,7 +78,7 @@ def kernel_ms(args, kv_format: str, block_t: int, num_warps: int, hardware: bool
     where the conversion instructions are used (``triton_common.hardware_conversions``)."""
     forced = {} if hardware is None else {args[0].device: hardware}
     with geometry(block_t, num_warps), mock.patch.dict(triton_common._HARDWARE_CONVERSIONS, forced):
-        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, kv_format, True))  # Triton's own launcher
+        return median_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, layout.cache_format(kv_format), True))  # Triton's own launcher
 
 
 def read_log(path: str) -> tuple[str, str, dict]:
@@ -173,7 +173,7 @@ def main() -> None:
             if opts.graph:
                 for bt, nw in GEOMETRIES if opts.sweep else [default]:
                     with geometry(bt, nw):
-                        ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, kv_format, True))
+                        ms = time_ms(lambda: triton_store._launch(lambda kernel: kernel, *args, layout.cache_format(kv_format), True))
                     gbs = traffic / ms / 1e6
                     what = f"graph {bt}x{nw}{'*' if (bt, nw) == default else ''}"
                     print(f"{num_tokens:>6} {'scattered' if scattered else 'contiguous':>10} "

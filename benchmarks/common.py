@@ -24,7 +24,7 @@ def filled(num_pages: int, page_size: int, kv_format: str = "v4") -> torch.Tenso
     reference.fused_k_norm_rope_flashmla(
         torch.randn(n, 512, dtype=torch.bfloat16, device=DEV) * 2, torch.ones(512, dtype=torch.bfloat16, device=DEV),
         torch.randn(n, 64, device=DEV), torch.arange(n, device=DEV), torch.arange(n, device=DEV), cache, 1e-6, page_size,
-        kv_format,
+        layout.FORMATS[kv_format],  # providers take the CacheFormat
     )
     return cache
 

@@ -160,11 +160,10 @@ class Checker:
             self.fail(arg, f"at most {MAX_INDEX_WIDTH} index columns wide", t)
         return width
 
-    def kv_format(self, arg: str, name) -> layout.CacheFormat:
-        """One of ``layout.FORMATS``, by name."""
-        fmt = layout.FORMATS.get(name) if type(name) is str else None
-        if fmt is None:
-            self.fail(arg, f"one of {list(layout.FORMATS)}", name)
+    def kv_format(self, arg: str, fmt) -> layout.CacheFormat:
+        """One of ``layout.FORMATS`` (the ops' trampolines have resolved a known name to it)."""
+        if type(fmt) is not layout.CacheFormat:
+            self.fail(arg, f"one of {list(layout.FORMATS)}", fmt)
         return fmt
 
     def cache(self, arg: str, cache, page_size: int, fmt: layout.CacheFormat = layout.V4) -> None:

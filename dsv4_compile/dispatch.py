@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from . import checks
+from . import checks, layout
 
 #: The ``dsv4`` ops, in the order they were defined (:func:`register_op`).
 OPS: tuple[str, ...] = ()
@@ -77,7 +77,8 @@ class Provider:
 
     ``load(device)`` imports what the provider needs and returns ``{op: kernel}`` for the ops it
     serves on that device, or raises :class:`ProviderUnavailable` saying why not. Kernels take the
-    op's arguments positionally, in schema order, validated (``OpSpec.check``). Several entries may
+    op's arguments positionally, in schema order, validated (``OpSpec.check``), cache formats as
+    ``layout.CacheFormat`` objects (``OpSpec.formats``). Several entries may
     share a name (one per kernel module); forcing the name forces them all.
     """
 
@@ -400,6 +401,19 @@ def provider_chain(device: torch.device | str | None = None) -> dict[str, list[t
 
 
 _Tensor = torch.Tensor
+_FORMATS = layout.FORMATS
+
+
+def with_formats(args: tuple, positions: tuple[int, ...]) -> tuple:
+    """``args`` with the cache-format names at ``positions`` replaced by their
+    ``layout.CacheFormat`` objects (``None``, and anything that names no format, kept as it is:
+    the metadata checks reject the latter, naming the argument)."""
+    args = list(args)
+    for i in positions:
+        name = args[i]
+        if type(name) is str:
+            args[i] = _FORMATS.get(name, name)
+    return tuple(args)
 
 
 def direct_call_allowed(args: tuple, tensors: tuple[int, ...], tensor_lists: tuple[int, ...] = ()) -> bool:
@@ -437,6 +451,7 @@ def backend_kernel(
     op: str,
     device_type: str | None,
     defaults: tuple,
+    formats: tuple[int, ...],
     check: Callable,
     check_data: Callable,
     call: tuple[type, Callable[..., tuple]],
@@ -449,7 +464,9 @@ def backend_kernel(
     even with CPU tensors, as the adapter tests do); ``None`` takes it from the tensors. The
     dispatcher drops trailing arguments equal to their schema defaults; ``defaults`` (the schema's
     defaults, ``None`` where an argument has none) restores them, so provider kernels receive the
-    full positional list. Per call, in this order, before any provider kernel runs:
+    full positional list, and the cache-format names at ``formats`` become their
+    ``layout.CacheFormat`` objects (:func:`with_formats`) for everything below. Per call, in this
+    order, before any provider kernel runs:
 
     * inference only: under grad mode, the inputs at ``grad_args`` (``(index, name)``) must not
       require grad (the op has no backward; the Autograd key falls through to here);
@@ -481,6 +498,8 @@ def backend_kernel(
             return overload(*args)
         if len(args) < nargs:
             args = args + defaults[len(args):]
+        if formats:
+            args = with_formats(args, formats)
         if is_grad_enabled():
             for i, name in grad_args:
                 if args[i] is not None and args[i].requires_grad:

@@ -127,7 +127,7 @@ def describe(model, mode: str, program: torch.export.ExportedProgram, max_tokens
         "max_requests": cache.max_requests,
         "max_seq_len": cache.max_seq_len,
         "vocab_size": model.config.vocab_size,
-        "kv_format": cache.kv_format,
+        "kv_formats": cache.cache_formats(),
         "states": {  # by their names in the program (the Step wrapper's)
             f"model.{name}": {"shape": list(buf.shape), "dtype": str(buf.dtype).removeprefix("torch.")}
             for name, buf in sorted(model.state_buffers().items())
@@ -208,7 +208,7 @@ class PackagedModel:
                 raise ValueError(f"{path}: no {METADATA_KEY} metadata (not built by dsv4_compile.export.build_package)")
             self.meta[mode] = json.loads(raw)
         prefill, decode = self.meta["prefill"], self.meta["decode"]
-        shared = ("device", "max_tokens", "max_requests", "max_seq_len", "vocab_size", "kv_format", "states")
+        shared = ("device", "max_tokens", "max_requests", "max_seq_len", "vocab_size", "kv_formats", "states")
         differ = [k for k in shared if prefill[k] != decode[k]]
         if differ:
             raise ValueError(f"{directory}: prefill.pt2 and decode.pt2 were built from different models ({differ} differ)")

@@ -4,7 +4,8 @@ views, dequantization.
 One layer's cache is a **base** ``uint8`` tensor ``[num_pages, page_stride]`` holding ``page_size``
 (P) tokens per page; a token is addressed by its **slot** ``page * P + offset`` (``-1``: a hole).
 The bytes of a token depend on the cache's :class:`CacheFormat`, which the uint8 tensor cannot say:
-the ops take it as ``kv_format`` (default ``"v4"``).
+the ops take its name (one of :data:`FORMATS`) as ``kv_format`` (default ``"v4"``), and their
+providers receive the :class:`CacheFormat` itself.
 
 ``"v4"`` (DSV4, 584 bytes per token), block-split: a page holds the P data records, then the P
 scale records::
@@ -66,7 +67,7 @@ NAN_DATA_RECORD = torch.cat([
 NAN_SCALE_RECORD = torch.tensor([0xFF] * NUM_TILES + [0], dtype=torch.uint8)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CacheFormat:
     """One paged KV-cache format: a token's bytes and where they sit in a page.
 
@@ -76,6 +77,9 @@ class CacheFormat:
     scale records. ``align``: block-split canonical page strides are multiples of it.
     ``nan_data`` / ``nan_scales``: the bytes of a token stored from non-finite values (it
     dequantizes to NaN in every dim).
+
+    There is one object per format (:data:`FORMATS`): compared and hashed by identity, copied and
+    pickled as its name, and shown as its name (in errors and provider reports).
     """
 
     name: str
@@ -91,6 +95,12 @@ class CacheFormat:
     @property
     def token_bytes(self) -> int:
         return self.data_bytes + self.scale_bytes
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+    def __reduce__(self):
+        return cache_format, (self.name,)
 
     @property
     def is_v4(self) -> bool:
@@ -126,7 +136,8 @@ FORMATS = {f.name: f for f in (V4, V41_FP8, V41_FP8_INTERLEAVED, V41_FP4, V41_FP
 
 
 def cache_format(kv_format: str | CacheFormat) -> CacheFormat:
-    """The :class:`CacheFormat` named ``kv_format`` (one of :data:`FORMATS`)."""
+    """The :class:`CacheFormat` named ``kv_format`` (one of :data:`FORMATS`), or ``kv_format``
+    itself if it is one."""
     if isinstance(kv_format, CacheFormat):
         return kv_format
     fmt = FORMATS.get(kv_format)
@@ -135,7 +146,7 @@ def cache_format(kv_format: str | CacheFormat) -> CacheFormat:
     return fmt
 
 
-def page_bytes(page_size: int, kv_format: str = "v4") -> int:
+def page_bytes(page_size: int, kv_format: str | CacheFormat = "v4") -> int:
     """Canonical page stride in bytes for ``page_size`` tokens of ``kv_format``.
 
     V4: ``ceil(P*584 / 576) * 576`` (``page_bytes(256) == 149760``, ``page_bytes(64) == 37440``,
@@ -153,7 +164,7 @@ def alloc_cache(
     device: torch.device | str | None = None,
     *,
     page_stride: int | None = None,
-    kv_format: str = "v4",
+    kv_format: str | CacheFormat = "v4",
 ) -> torch.Tensor:
     """Allocate one layer's cache: a zeroed ``uint8 [num_pages, page_stride]`` base tensor.
 
@@ -162,7 +173,7 @@ def alloc_cache(
     ``dsv4`` ops, with the same ``kv_format``.
     """
     fmt = cache_format(kv_format)
-    stride = page_bytes(page_size, fmt.name) if page_stride is None else page_stride
+    stride = page_bytes(page_size, fmt) if page_stride is None else page_stride
     if stride < page_size * fmt.token_bytes:
         raise ValueError(
             f"page_stride must be >= page_size*{fmt.token_bytes}={page_size * fmt.token_bytes} "
@@ -193,7 +204,7 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
     return torch.div(slots, page_size, rounding_mode="floor"), torch.remainder(slots, page_size)
 
 
-def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str | CacheFormat = "v4") -> torch.Tensor:
     """The view FlashMLA's kernels read: ``float8_e4m3fn [num_pages, P, 1, token_bytes]``, page
     stride kept (584 for ``v4``; 528 / 288 for V4.1 FP8 / FP4).
 
@@ -250,7 +261,7 @@ def _ue8m0_to_float(exponent_bytes: torch.Tensor) -> torch.Tensor:
     return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
 
 
-def data_records(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+def data_records(kvcache: torch.Tensor, page_size: int, kv_format: str | CacheFormat = "v4") -> torch.Tensor:
     """The data records of a base cache as a view ``uint8 [num_pages, P, data_bytes]``."""
     fmt = cache_format(kv_format)
     if fmt.interleaved:
@@ -259,7 +270,7 @@ def data_records(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -
     return kvcache[:, : page_size * fmt.data_bytes].unflatten(1, (page_size, fmt.data_bytes))
 
 
-def scale_records(kvcache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+def scale_records(kvcache: torch.Tensor, page_size: int, kv_format: str | CacheFormat = "v4") -> torch.Tensor:
     """The scale records of a base cache as a view ``uint8 [num_pages, P, scale_bytes]``."""
     fmt = cache_format(kv_format)
     if fmt.interleaved:
@@ -285,7 +296,7 @@ def _e2m1(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.where(nibbles >= 8, -value, value)
 
 
-def dequant_records(data: torch.Tensor, scales: torch.Tensor, kv_format: str = "v4") -> torch.Tensor:
+def dequant_records(data: torch.Tensor, scales: torch.Tensor, kv_format: str | CacheFormat = "v4") -> torch.Tensor:
     """``[n, 512]`` fp32 values of ``n`` tokens from their data and scale records.
 
     V4: ``fp8 * 2**(b - 127)`` for dims 0..447, the stored bf16 for 448..511. V4.1 FP8:
@@ -309,7 +320,7 @@ def dequant_records(data: torch.Tensor, scales: torch.Tensor, kv_format: str = "
 
 def gather_dequant(
     kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-    kv_format: str = "v4",
+    kv_format: str | CacheFormat = "v4",
 ) -> torch.Tensor:
     """Dequantize the tokens at ``slots`` (any shape ``S``) of a ``kv_format`` cache into
     ``[*S, 512]`` of ``dtype`` (:func:`dequant_records`; exact in bf16).
@@ -326,7 +337,7 @@ def gather_dequant(
 
 
 def dequant_workspace(
-    kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, kv_format: str = "v4"
+    kvcache: torch.Tensor, page_size: int, slots: torch.Tensor, kv_format: str | CacheFormat = "v4"
 ) -> torch.Tensor:
     """A bf16 ``[n, 1, 512]`` workspace of the tokens at ``slots [n]`` of a ``kv_format`` cache:
     the sparse-prefill ``kv``. Holes (negative slots) become zero rows."""

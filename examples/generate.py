@@ -7,11 +7,14 @@ prefills three prompts of different lengths, then runs greedy decode steps eager
 same prefilled state, and reports the graph count, graph breaks, recompiles, the largest logit
 difference compiled vs eager, the provider serving each op, and the time per decode step.
 
-    python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--chunk N] [--json]
+    python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--c4-kv-format F]
+        [--chunk N] [--json]
 
-``--kv-format``: the caches' format: ``v4`` (584-byte tokens), ``v4.1`` (528-byte FP8, block-split
-pages), ``v4.1-interleaved``, and ``v4.1-fp4`` / ``v4.1-fp4-interleaved`` (the ratio-4 compressed
-cache in 288-byte FP4, as DSV4.1 stores its low-ratio compressed caches).
+``--kv-format``: the caches' format (``layout.FORMATS``, an FP8 one): ``v4`` (584-byte tokens),
+``v4.1-fp8`` (528 bytes, block-split pages) or ``v4.1-fp8-interleaved``. ``--c4-kv-format``: the
+ratio-4 compressed cache's, if another of the same generation: e.g. ``v4.1-fp4`` (288-byte FP4
+tokens, as DSV4.1 stores its low-ratio compressed caches) with ``--kv-format v4.1-fp8``
+(``CacheConfig``'s ``kv_format`` and ``c4_kv_format``).
 
 ``--chunk N``: chunked prefill, at most ``N`` tokens per prefill step (bounded memory for any
 prompt length; :func:`dsv4_compile.generation.prefill_prompts`).
@@ -32,18 +35,11 @@ import time
 import torch
 
 import dsv4_compile as d4
+from dsv4_compile import layout
 from dsv4_compile.models import CacheConfig, DeepseekV4Model, decode_inputs, generate, tiny_config
 from dsv4_compile.generation import Batch, choice_margins, random_prompts
 
 PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
-#: --kv-format: (CacheConfig.kv_format, CacheConfig.fp4_ratios)
-KV_FORMATS = {
-    "v4": ("v4", ()),
-    "v4.1": ("v4.1", ()),
-    "v4.1-interleaved": ("v4.1-interleaved", ()),
-    "v4.1-fp4": ("v4.1", (4,)),
-    "v4.1-fp4-interleaved": ("v4.1-interleaved", (4,)),
-}
 
 
 class Timed:
@@ -125,16 +121,19 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8, help="decode steps (>= 2)")
-    parser.add_argument("--kv-format", default="v4", choices=sorted(KV_FORMATS), help="the caches' format")
+    parser.add_argument("--kv-format", default="v4", choices=[n for n, f in layout.FORMATS.items() if f.values != "fp4"],
+                        help="the caches' format")
+    parser.add_argument("--c4-kv-format", choices=list(layout.FORMATS),
+                        help="the ratio-4 compressed cache's format (default: --kv-format's)")
     parser.add_argument("--chunk", type=int, help="chunked prefill: at most this many tokens per prefill step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
-def make_model(kv_format: str, device, tp=None) -> DeepseekV4Model:
-    """The example's 3-layer model (random weights, seed 0), caches in ``kv_format``."""
-    kv_format, fp4_ratios = KV_FORMATS[kv_format]
-    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, fp4_ratios=fp4_ratios)
+def make_model(kv_format: str, device, tp=None, c4_kv_format: str | None = None) -> DeepseekV4Model:
+    """The example's 3-layer model (random weights, seed 0), caches in ``kv_format`` (the ratio-4
+    compressed cache in ``c4_kv_format`` if given)."""
+    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, c4_kv_format=c4_kv_format)
     return DeepseekV4Model(tiny_config(), cache, seed=0, device=device, tp=tp)
 
 
@@ -142,7 +141,7 @@ def main() -> dict:
     args = parser().parse_args()
     device = torch.device(args.device)
     steps = max(args.steps, 2)
-    model = make_model(args.kv_format, device)
+    model = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format)
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
 
     measured, details = measure(model, prompts, steps, device, args.chunk)
@@ -150,7 +149,7 @@ def main() -> dict:
 
     report = {
         "device": str(device),
-        "kv_format": args.kv_format,
+        "kv_formats": model.cache.cache_formats(),
         "prefill_chunk": args.chunk,
         **measured,
         "providers": d4.providers(device),

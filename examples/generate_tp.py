@@ -1,7 +1,7 @@
 """examples/generate.py with the model tensor-parallel over N processes (``torch.distributed``).
 
     torchrun --nproc-per-node N examples/generate_tp.py [--device cpu|cuda] [--steps 8]
-        [--kv-format v4] [--chunk N] [--json] [--dump DIR]
+        [--kv-format v4] [--c4-kv-format F] [--chunk N] [--json] [--dump DIR]
 
 Each rank holds ``1/N`` of the query heads, output groups, indexer heads and MLP width
 (:mod:`dsv4_compile.models.parallel`) and the same weights as the single-process model (same
@@ -47,11 +47,11 @@ def main() -> dict:
 
 def _run(args, device, tp) -> dict:
     steps = max(args.steps, 2)
-    model = make_model(args.kv_format, device, tp=tp)
+    model = make_model(args.kv_format, device, tp=tp, c4_kv_format=args.c4_kv_format)
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     measured, details = measure(model, prompts, steps, device, args.chunk)
 
-    single = make_model(args.kv_format, device)  # the unsharded model, same seed, fed the same tokens
+    single = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format)  # the unsharded model, same seed, fed the same tokens
     with torch.no_grad():
         tp1_tokens, tp1_logits = run(single, single, prompts, steps, device, args.chunk, follow=details["tokens"])
     margins = choice_margins(tp1_logits, tp1_tokens, details["tokens"])
@@ -59,7 +59,7 @@ def _run(args, device, tp) -> dict:
         "rank": tp.rank,
         "world_size": tp.size,
         "device": str(device),
-        "kv_format": args.kv_format,
+        "kv_formats": model.cache.cache_formats(),
         "prefill_chunk": args.chunk,
         **measured,
         "all_reduce_count": all_reduces_in(details["graphs"]),

@@ -54,7 +54,8 @@ def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms:
             x_idx = torch.randint(0, 1024, (rows, 1, 512), dtype=torch.int32)
             length = torch.full((rows,), 100, dtype=torch.int32)
             triton_attention.flash_mla_with_kvcache(q, cache, 256, idx, length, torch.zeros(64), extra, 64, x_idx,
-                                                    length * 4, None, None, 0.05, 512, *formats)
+                                                    length * 4, None, None, 0.05, 512,
+                                                    *map(layout.cache_format, formats))
         elif case == "prefill":
             kv = torch.randn(1024, 1, 512, **bf16)
             idx = torch.randint(0, 1024, (rows, 1, 640), dtype=torch.int32)

@@ -11,6 +11,7 @@ import torch
 
 import dsv4_compile as d4
 from dsv4_compile import layout
+from dsv4_compile.ops import registry
 
 
 def rope_table(max_pos: int, theta: float = 10000.0) -> torch.Tensor:
@@ -342,3 +343,9 @@ def assert_malformed_calls_named(call, device) -> None:
             call(op, *args)
         message = str(info.value)
         assert re.search(rf"^dsv4\.\w+: (\S+/)?{re.escape(arg)} must be .*, got ", message), (op, arg, message)
+
+
+def provider_args(op: str, args) -> tuple:
+    """An op's arguments (schema order) as its trampoline hands them to a provider kernel: the
+    trailing defaults restored, the cache-format names resolved to ``layout.CacheFormat``."""
+    return registry.DEFINED[op].arguments(args)

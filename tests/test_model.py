@@ -41,12 +41,16 @@ def prompts() -> list[list[int]]:
     return random_prompts(CFG.vocab_size, PROMPT_LENGTHS, seed=3)
 
 
-#: The cache formats of CacheConfig: (kv_format, fp4_ratios)
-FORMATS = {"v4.1": ("v4.1", ()), "v4.1-fp4-interleaved": ("v4.1-interleaved", (4,))}
+#: The caches' formats the model tests run (CacheConfig's arguments), by a test id.
+CACHES = {
+    "v4": {},
+    "v4.1-fp8": dict(kv_format="v4.1-fp8"),
+    "v4.1-fp8-interleaved,c4-fp4": dict(kv_format="v4.1-fp8-interleaved", c4_kv_format="v4.1-fp4-interleaved"),
+}
 
 
-def make_model(device="cpu", kv_format="v4", fp4_ratios=()) -> DeepseekV4Model:
-    cache = CacheConfig(max_requests=4, max_seq_len=512, page_size=256, kv_format=kv_format, fp4_ratios=fp4_ratios)
+def make_model(device="cpu", **formats) -> DeepseekV4Model:
+    cache = CacheConfig(max_requests=4, max_seq_len=512, page_size=256, **formats)
     return DeepseekV4Model(CFG, cache, seed=0, device=device)
 
 
@@ -59,10 +63,10 @@ def run_generation(model, decode, device="cpu", follow=None):
     return tokens, logits
 
 
-@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
+@pytest.mark.parametrize("caches", CACHES)
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_step_is_one_graph_without_breaks(mode, kv_format):
-    model = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
+def test_step_is_one_graph_without_breaks(mode, caches):
+    model = make_model("cpu", **CACHES[caches])
     batch = Batch(prompts())
     inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
     with torch.no_grad():
@@ -184,14 +188,14 @@ def test_choice_margins_say_how_far_below_the_top_a_differing_choice_lies():
     assert choice_margins(logits, [[1, 0]], [[2, 2]]) == pytest.approx([0.1, 0.5])
 
 
-@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
-def test_compiled_decode_generates_what_eager_generates(kv_format):
+@pytest.mark.parametrize("caches", CACHES)
+def test_compiled_decode_generates_what_eager_generates(caches):
     """Inductor: the decode step calls the dsv4 ops, copies no cache, and, fed the eager run's
     tokens, gives its logits within the FP8 step of a cached value (Inductor keeps in float32 values
     eager code rounds to bf16, which moves some across the caches' rounding boundaries:
     ``tolerances.FP8_STEP_SHARE``) and its greedy choices but where two logits lie within twice
     that of each other, for every cache format. The test below bounds the compiled step tightly."""
-    eager = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
+    eager = make_model("cpu", **CACHES[caches])
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager)
 
@@ -223,8 +227,8 @@ def test_compiled_decode_generates_what_eager_generates(kv_format):
 #: got an unexpected keyword argument 'use_compute_types'``); 2.13 does it
 @pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
                     reason="before torch 2.13 Inductor's CPU code cannot emulate eager's precision casts")
-@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
-def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(kv_format):
+@pytest.mark.parametrize("caches", CACHES)
+def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(caches):
     """With Inductor rounding where eager code rounds (``emulate_precision_casts``; by default a
     fused kernel skips a cast to bf16 whose result it reads back in float32), the compiled decode,
     fed the eager run's tokens, gives the eager logits of every step within
@@ -236,7 +240,7 @@ def test_compiled_decode_with_eager_roundings_gives_the_eager_logits(kv_format):
     rounding boundaries of the compressed caches. This test bounds the compiled step's own error
     tightly (on 17 random models: bit for bit in 15, at most 1.5 ulps off in the others), where the
     default-config test above needs a tolerance for that noise."""
-    eager = make_model("cpu", *FORMATS.get(kv_format, ("v4", ())))
+    eager = make_model("cpu", **CACHES[caches])
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager)
     torch._dynamo.reset()
@@ -296,13 +300,13 @@ def test_decode_batch_size_changes_recompile_at_most_once():
     assert counter.frame_count <= 2, counter.frame_count
 
 
-def reduce_overhead_decode(kv_format: str, **options) -> tuple[list, list, int]:
+def reduce_overhead_decode(caches: str, **options) -> tuple[list, list, int]:
     """The eager logits of every step, the ``reduce-overhead`` decode's (Inductor ``options``),
     fed the eager run's tokens (teacher forcing: free-running greedy decoding can flip on a
     near-tie of two logits), and the cudagraph skips it recorded; on CUDA."""
     from torch._dynamo.utils import counters
 
-    eager = make_model("cuda", *FORMATS.get(kv_format, ("v4", ())))
+    eager = make_model("cuda", **CACHES[caches])
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager, "cuda")
     torch._dynamo.reset()
@@ -322,24 +326,24 @@ def reduce_overhead_decode(kv_format: str, **options) -> tuple[list, list, int]:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
-def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(kv_format):
+@pytest.mark.parametrize("caches", CACHES)
+def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(caches):
     """``mode="reduce-overhead"`` decode records no cudagraph skip and gives the eager logits at
     every step within the FP8 step of a cached value (``tolerances.FP8_STEP_SHARE``: the compiled
     code skips bf16 roundings), for every cache format."""
-    got_logits, want_logits, skips = reduce_overhead_decode(kv_format)
+    got_logits, want_logits, skips = reduce_overhead_decode(caches)
     assert skips == 0
     assert_steps_close(got_logits, want_logits, rerounded_atol, first_step=1)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kv_format", ["v4", *FORMATS])
-def test_cuda_reduce_overhead_with_eager_roundings_gives_the_eager_logits(kv_format):
+@pytest.mark.parametrize("caches", CACHES)
+def test_cuda_reduce_overhead_with_eager_roundings_gives_the_eager_logits(caches):
     """The CUDA counterpart of ``test_compiled_decode_with_eager_roundings_gives_the_eager_logits``:
     with ``emulate_precision_casts`` the ``reduce-overhead`` decode gives the eager logits of every
     step within ``tolerances.REORDERED_ULPS`` bf16 ulps of their largest magnitude, where the test
     above needs a tolerance for the skipped roundings (measured on the H200: benchmarks/RESULTS.md)."""
-    got_logits, want_logits, skips = reduce_overhead_decode(kv_format, emulate_precision_casts=True)
+    got_logits, want_logits, skips = reduce_overhead_decode(caches, emulate_precision_casts=True)
     assert skips == 0
     assert_steps_close(got_logits, want_logits, reordered_atol, first_step=1)
 

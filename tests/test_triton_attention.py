@@ -46,6 +46,7 @@ from helpers import (  # noqa: E402
     poisoned_decode_args,
     poisoned_prefill_args,
     prefill_args_around_garbage,
+    provider_args,
     run_interpreted_child,
     store_inputs,
 )
@@ -55,6 +56,16 @@ DECODE = torch.ops.dsv4.flash_mla_with_kvcache.default
 PREFILL = torch.ops.dsv4.flash_mla_sparse_fwd.default
 PROVIDER = "triton_attention_test"
 SCALE = layout.HEAD_DIM**-0.5
+
+
+def triton_decode(*args):
+    """The Triton decode kernel, given the op's arguments (format names resolved as the op does)."""
+    return ta.flash_mla_with_kvcache(*provider_args("flash_mla_with_kvcache", args))
+
+
+def reference_decode(*args):
+    """The reference decode, given the op's arguments (format names resolved as the op does)."""
+    return reference.flash_mla_with_kvcache(*provider_args("flash_mla_with_kvcache", args))
 
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_interpreted_suite"
@@ -130,7 +141,7 @@ def filled(device, num_pages, page_size, page_stride=None, kv_format="v4"):
     n = num_pages * page_size
     kv, w, freqs, pos = (t.to(device) for t in store_inputs(n, max_pos=256))
     reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.arange(n, device=device), cache, 1e-6, page_size,
-                                         kv_format)
+                                         layout.FORMATS[kv_format])
     return cache
 
 
@@ -184,8 +195,8 @@ def key_max(args):
 
 
 def check_decode(args, **case):
-    out, lse = ta.flash_mla_with_kvcache(*args)
-    want_out, want_lse = reference.flash_mla_with_kvcache(*args)
+    out, lse = triton_decode(*args)
+    want_out, want_lse = reference_decode(*args)
     assert (out.shape, out.stride(), out.dtype) == (want_out.shape, want_out.stride(), want_out.dtype)
     assert (lse.shape, lse.stride(), lse.dtype) == (want_lse.shape, want_lse.stride(), want_lse.dtype)
     compare("out", out, want_out, key_max(args), **case)
@@ -344,7 +355,7 @@ def test_decode_order_decided_at_run_time(device, monkeypatch):
     args = decode_case(device, heads=5, batch=9, s_q=2, extra_page_size=2, width=72)
     assert planned_splits(args) == 1
     monkeypatch.setattr(ta, "decode_order", lambda *a: (0, 1, 1))
-    unordered = ta.flash_mla_with_kvcache(*args)
+    unordered = triton_decode(*args)
     monkeypatch.setattr(ta, "decode_order", lambda *a: (2, ta.ORDER_MAX_ROWS, 8))
     out, lse = check_decode(args)
     assert torch.equal(out, unordered[0]) and torch.equal(lse, unordered[1])
@@ -388,7 +399,7 @@ def test_decode_single_key_is_the_exact_dequantized_key(device, kv_format):
     idx[:, 0, 1] = torch.arange(cap)
     idx = idx.to(device)
     args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512, kv_format)
-    out, lse = ta.flash_mla_with_kvcache(*args)
+    out, lse = triton_decode(*args)
     keys = layout.gather_dequant(cache, page_size, torch.arange(cap, device=device), torch.float32, kv_format)
     assert torch.equal(out[:, 0], keys[:, None, :].expand(-1, 16, -1).to(torch.bfloat16))
     want_lse = torch.einsum("rhd,rd->rh", q[:, 0].float(), keys) * SCALE
@@ -405,12 +416,12 @@ def test_decode_rows_attending_a_nan_token_are_nan(device, kv_format):
     kv, w, freqs, pos = (t.to(device) for t in store_inputs(1, max_pos=8))
     kv[0, 7] = math.nan
     reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, torch.tensor([5], device=device), cache, 1e-6, page_size,
-                                         kv_format)
+                                         layout.FORMATS[kv_format])
     idx = torch.tensor([[[0, 1, 2, 3]], [[4, 5, 6, -1]], [[4, 6, 7, 8]]], dtype=torch.int32, device=device)
     q = torch.randn(3, 1, 16, layout.HEAD_DIM).to(device, torch.bfloat16)
     args = (q, cache, page_size, idx, None, None, None, 1, None, None, None, None, SCALE, 512, kv_format)
-    out, lse = ta.flash_mla_with_kvcache(*args)
-    want_out, want_lse = reference.flash_mla_with_kvcache(*args)
+    out, lse = triton_decode(*args)
+    want_out, want_lse = reference_decode(*args)
     assert want_out[1].isnan().all() and want_lse[1].isnan().all()
     assert out[1].isnan().all() and lse[1].isnan().all()
     vmax = layout.gather_dequant(cache, page_size, idx[[0, 2]].flatten(), torch.float32, kv_format).abs().max().item()
@@ -426,7 +437,7 @@ def test_decode_degenerate_shapes(device):
         cache = layout.alloc_cache(2, 4, device)
         idx = torch.zeros(batch, 1, width, dtype=torch.int32, device=device)
         args = (q, cache, 4, idx, None, None, None, 1, None, None, None, None, SCALE, 512)
-        out, lse = ta.flash_mla_with_kvcache(*args)
+        out, lse = triton_decode(*args)
         # out [B, 1, H, 512] contiguous; lse [B, H, 1] stored as [B, 1, H] (FlashMLA's layout)
         assert (out.shape, out.stride()) == ((batch, 1, heads, 512), torch.empty(batch, 1, heads, 512).stride())
         assert (lse.shape, lse.stride()) == ((batch, heads, 1), torch.empty(batch, 1, heads).transpose(1, 2).stride())
@@ -445,8 +456,8 @@ def test_decode_reads_nothing_its_row_does_not_reference(device, n, byte, splits
     splits(n)
     args = decode_args_around_garbage(heads=16, device=device, width=64, **FORMAT_PAIRS[n - 1])
     assert planned_splits(args) == n
-    clean = ta.flash_mla_with_kvcache(*args)
-    dirty = ta.flash_mla_with_kvcache(*poisoned_decode_args(args, byte))
+    clean = triton_decode(*args)
+    dirty = triton_decode(*poisoned_decode_args(args, byte))
     assert clean[0].isfinite().all()
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
@@ -568,7 +579,7 @@ def test_ops_dispatch_to_the_triton_kernels():
         got = DECODE(*decode_args), PREFILL(*prefill_args)
         for op, args in ((DECODE, decode_args), (PREFILL, prefill_args)):
             torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-    assert all(torch.equal(a, b) for a, b in zip(got[0], ta.flash_mla_with_kvcache(*decode_args)))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], triton_decode(*decode_args)))
     assert all(torch.equal(a, b) for a, b in zip(got[1], ta.flash_mla_sparse_fwd(*prefill_args)))
     check_decode(decode_args)
     check_prefill(prefill_args)
@@ -617,7 +628,7 @@ def test_decode_loop_stages(rows, stages):
     idx = torch.zeros(rows, 1, 100, dtype=torch.int32)  # padded to 128: two 64-key blocks
     x_idx = torch.zeros(rows, 1, 512, dtype=torch.int32)
     with triton_offline.recorded((9, 0), 132) as launches:
-        ta.flash_mla_with_kvcache(q, cache, 256, idx, None, None, extra, 64, x_idx, None, None, None, SCALE, 512)
+        triton_decode(q, cache, 256, idx, None, None, extra, 64, x_idx, None, None, None, SCALE, 512)
     kernel, _, kwargs = launches[0]
     assert kernel.fn.__name__ == "_decode_kernel"
     assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
@@ -642,7 +653,7 @@ def test_decode_order(rows, lengths, order):
     x_idx = torch.zeros(rows, 1, 512, dtype=torch.int32)
     length = torch.full((rows,), 128, dtype=torch.int32) if lengths else None
     with triton_offline.recorded((9, 0), 132) as launches:
-        ta.flash_mla_with_kvcache(q, cache, 256, idx, length, None, extra, 64, x_idx, None, None, None, SCALE, 512)
+        triton_decode(q, cache, 256, idx, length, None, extra, 64, x_idx, None, None, None, SCALE, 512)
     kwargs = launches[0][2]
     assert kwargs["ORDER"] == order
     if order:
@@ -823,18 +834,18 @@ def test_cuda_graph_replay_follows_new_lengths():
     """Split decode and prefill are capture-safe: a replay with new lengths equals an eager call."""
     args = list(dsv4_decode_args(8, 64))
     prefill_args = prefill_case("cuda", s_q=64, s_kv=300, width=200)
-    ta.flash_mla_with_kvcache(*args), ta.flash_mla_sparse_fwd(*prefill_args)  # compile outside
+    triton_decode(*args), ta.flash_mla_sparse_fwd(*prefill_args)  # compile outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = ta.flash_mla_with_kvcache(*args)
+        out, lse = triton_decode(*args)
         pout = ta.flash_mla_sparse_fwd(*prefill_args)
     for _ in range(2):
         args[4].copy_(torch.randint(0, 129, args[4].shape, dtype=torch.int32, device="cuda"))
         args[9].copy_(torch.randint(0, 513, args[9].shape, dtype=torch.int32, device="cuda"))
         prefill_args[6].copy_(torch.randint(0, 201, prefill_args[6].shape, dtype=torch.int32, device="cuda"))
         graph.replay()
-        want, pwant = ta.flash_mla_with_kvcache(*args), ta.flash_mla_sparse_fwd(*prefill_args)
+        want, pwant = triton_decode(*args), ta.flash_mla_sparse_fwd(*prefill_args)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         assert all(torch.equal(a, b) for a, b in zip(pout, pwant))
 

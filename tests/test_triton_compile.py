@@ -45,7 +45,7 @@ def calls():
     """One call of each provider entry point per kernel variant the GPU paths launch (CPU tensors)."""
     g = torch.Generator().manual_seed(0)
     bf16 = dict(dtype=torch.bfloat16)
-    for kv_format in layout.FORMATS:
+    for kv_format in layout.FORMATS.values():  # providers receive CacheFormat objects
         cache = layout.alloc_cache(4, 8, "cpu", kv_format=kv_format)
         for tokens in (5, triton_store.SMALL_TOKENS + 1):  # both launch geometries (recorded, not run)
             kv = torch.randn(tokens, 512, generator=g, **bf16)
@@ -66,7 +66,7 @@ def calls():
         yield triton_attention.flash_mla_with_kvcache, (
             q, cache, 64, idx, length, torch.zeros(64) if lengths else None,
             cache if extra else None, 64, x_idx if extra else None, length if extra else None,
-            None, None, 0.05, 512, "v4", "v4.1-fp4" if extra else None,
+            None, None, 0.05, 512, layout.V4, layout.V41_FP4 if extra else None,
         )
     for dim in (512, 576):
         kv = torch.randn(300, 1, dim, generator=g, **bf16)

@@ -221,9 +221,8 @@ def geometry(request, monkeypatch):
 
 def test_geometry_by_token_count():
     """One token per one-warp program up to SMALL_TOKENS tokens, the format's geometry beyond."""
-    for kv_format in layout.FORMATS:
-        fmt = layout.cache_format(kv_format)
-        large = triton_store.GEOMETRY["v4" if fmt.is_v4 else fmt.values]
+    for fmt in layout.FORMATS.values():
+        large = triton_store.GEOMETRY[fmt.values]
         assert large != (1, 1)
         assert triton_store.geometry(fmt, 1) == triton_store.geometry(fmt, triton_store.SMALL_TOKENS) == (1, 1)
         assert triton_store.geometry(fmt, triton_store.SMALL_TOKENS + 1) == large
@@ -344,12 +343,13 @@ def test_formats_match_reference(device, kv_format, fused, geometry):
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     kv, w, freqs, pos, slots, cache = args[:6]
     expected = cache.clone()
+    fmt = layout.FORMATS[kv_format]  # what providers receive
     if fused:
-        reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, expected, 1e-6, page_size, kv_format)
-        triton_store.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, page_size, kv_format)
+        reference.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, expected, 1e-6, page_size, fmt)
+        triton_store.fused_k_norm_rope_flashmla(kv, w, freqs, pos, slots, cache, 1e-6, page_size, fmt)
     else:
-        reference.quantize_store(kv, slots, expected, page_size, kv_format)
-        triton_store.quantize_store(kv, slots, cache, page_size, kv_format)
+        reference.quantize_store(kv, slots, expected, page_size, fmt)
+        triton_store.quantize_store(kv, slots, cache, page_size, fmt)
     mask = format_written_mask(cache.cpu(), page_size, slots.cpu(), kv_format).to(device)
     assert torch.equal(cache[~mask], expected[~mask]), "bytes outside the written records changed"
     if not fused:
@@ -416,9 +416,10 @@ def test_plain_store_of_float_kv_is_exact(device, dtype, kv_format):
     kv, _, _, _, slots, _, _, _ = make_case("cpu", 64, page_size, dtype=dtype)
     cache = torch.randint(0, 256, (30, layout.page_bytes(page_size, kv_format)), dtype=torch.uint8)
     expected = cache.clone()
-    reference.quantize_store(kv, slots, expected, page_size, kv_format)
+    fmt = layout.FORMATS[kv_format]  # what providers receive
+    reference.quantize_store(kv, slots, expected, page_size, fmt)
     cache = cache.to(device)
-    triton_store.quantize_store(kv.to(device), slots.to(device), cache, page_size, kv_format)
+    triton_store.quantize_store(kv.to(device), slots.to(device), cache, page_size, fmt)
     assert torch.equal(cache.cpu(), expected)
 
 

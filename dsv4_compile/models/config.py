@@ -93,25 +93,37 @@ class CacheConfig:
     its tokens ``[p*P, (p+1)*P)`` and the compressed blocks made of them, as SGLang's V4 pool does
     (P = 256: 64 c4 slots, 2 c128 slots a page).
 
-    ``kv_format``: the caches' format: ``"v4"`` (584-byte tokens), ``"v4.1"`` (528-byte FP8 tokens,
-    block-split pages, as SGLang stores them by default) or ``"v4.1-interleaved"`` (the arrangement
-    FlashMLA's current kernels read). ``fp4_ratios``: V4.1 only, the compression ratios whose
-    compressed cache is FP4 (288-byte tokens), as DSV4.1 does for its low-ratio layers.
+    The caches' formats, by their names in ``layout.FORMATS``: ``kv_format`` is the window cache's
+    and, unless named below, the compressed caches'; an FP8 format: ``"v4"`` (584-byte tokens),
+    ``"v4.1-fp8"`` (528-byte tokens, block-split pages, as SGLang stores them by default) or
+    ``"v4.1-fp8-interleaved"`` (the arrangement FlashMLA's current kernels read).
+    ``c4_kv_format`` / ``c128_kv_format``: the ratio-4 / ratio-128 compressed caches' format
+    (``None``: ``kv_format``), of the same generation (V4 or V4.1); e.g. a V4.1 model with FP4
+    compressed caches on its ratio-4 layers, as DSV4.1 stores them, is ``kv_format="v4.1-fp8",
+    c4_kv_format="v4.1-fp4"``.
     """
 
     max_requests: int = 4
     max_seq_len: int = 512
     page_size: int = 256
     kv_format: str = "v4"
-    fp4_ratios: tuple[int, ...] = ()
+    c4_kv_format: str | None = None
+    c128_kv_format: str | None = None
 
     def __post_init__(self):
-        if self.kv_format not in ("v4", "v4.1", "v4.1-interleaved"):
-            raise ValueError(f"kv_format must be 'v4', 'v4.1' or 'v4.1-interleaved', got {self.kv_format!r}")
-        if self.fp4_ratios and self.kv_format == "v4":
-            raise ValueError(f"fp4_ratios needs a V4.1 kv_format, got {self.kv_format!r}")
-        if any(r not in COMPRESS_RATIOS for r in self.fp4_ratios):
-            raise ValueError(f"fp4_ratios must be among {COMPRESS_RATIOS}, got {self.fp4_ratios}")
+        main = layout.FORMATS.get(self.kv_format)
+        if main is None or main.values == "fp4":
+            fp8 = [name for name, fmt in layout.FORMATS.items() if fmt.values != "fp4"]
+            raise ValueError(f"kv_format must be one of {fp8} (the window cache is FP8), got {self.kv_format!r}")
+        for arg in ("c4_kv_format", "c128_kv_format"):
+            name = getattr(self, arg)
+            if name is None:
+                continue
+            fmt = layout.FORMATS.get(name)
+            if fmt is None or fmt.is_v4 != main.is_v4:
+                same = [n for n, f in layout.FORMATS.items() if f.is_v4 == main.is_v4]
+                raise ValueError(f"{arg} must be None or one of {same} (kv_format={self.kv_format!r}'s "
+                                 f"generation), got {name!r}")
         if self.page_size % max(COMPRESS_RATIOS):
             raise ValueError(f"page_size must be a multiple of 128, got {self.page_size}")
         if self.max_seq_len % self.page_size:
@@ -128,12 +140,14 @@ class CacheConfig:
         return self.max_requests * self.pages_per_request
 
     def cache_format(self, ratio: int) -> str:
-        """The ``kv_format`` (``layout.FORMATS``) of the window cache (``ratio`` 0) or of the
+        """The format name (``layout.FORMATS``) of the window cache (``ratio`` 0) or of the
         ratio-``ratio`` compressed cache."""
-        if self.kv_format == "v4":
-            return "v4"
-        values = "fp4" if ratio in self.fp4_ratios else "fp8"
-        return f"v4.1-{values}" + ("-interleaved" if self.kv_format.endswith("interleaved") else "")
+        named = {4: self.c4_kv_format, 128: self.c128_kv_format}.get(ratio)
+        return self.kv_format if named is None else named
+
+    def cache_formats(self) -> dict[str, str]:
+        """Every cache's format name: ``{"window": ..., "c4": ..., "c128": ...}``."""
+        return {"window": self.cache_format(0), **{f"c{r}": self.cache_format(r) for r in COMPRESS_RATIOS}}
 
     def compressed_page_size(self, ratio: int) -> int:
         """Compressed tokens per page of the ratio-``ratio`` cache (``page_size / ratio``)."""

@@ -55,8 +55,8 @@ class DecodeCall(NamedTuple):
     page_stride: int
     extra_page_size: int
     extra_page_stride: int
-    kv_format: str
-    extra_kv_format: str | None
+    kv_format: layout.CacheFormat
+    extra_kv_format: layout.CacheFormat | None
 
 
 _DECODE = Checker("flash_mla_with_kvcache")
@@ -67,7 +67,7 @@ _DECODE_TENSORS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra
 def check_decode(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
 ) -> tuple[int, int, int]:
     c = _DECODE
     c.same_device(
@@ -120,7 +120,7 @@ def check_decode(
 def check_decode_data(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
 ) -> None:
     c = _DECODE
     c.lengths_within("topk_length", topk_length, indices.shape[-1])
@@ -155,6 +155,7 @@ _DECODE_OP = define(OpSpec(
     float_inputs=("q", "attn_sink"),
     call=DecodeCall,
     call_fields=_decode_call,
+    formats=("kv_format", "extra_kv_format"),
 ))
 
 

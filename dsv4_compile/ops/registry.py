@@ -7,7 +7,8 @@ key, ``CPU``, ``CUDA``, ``XPU`` and ``CompositeExplicitAutograd`` for any other 
 ``Autograd`` fallthrough (the ops have no backward: the trampoline rejects inputs that require
 grad). It adds the op to ``dispatch.OPS`` and returns the :class:`Op`, whose :attr:`Op.run` the
 op's public wrapper calls. What a call needs of the schema (defaults, which arguments are tensors,
-which may require grad) is derived here, once, so the per-call path parses nothing.
+which may require grad, which name a cache format) is derived here, once, so the per-call path
+parses nothing.
 
 The op modules (``store``, ``decode``, ...) import this module; it imports none of them.
 """
@@ -62,6 +63,10 @@ class OpSpec:
     call: type = NoCall
     #: the fields of ``call``, a plain tuple, from the op's arguments (``None``: ``call`` has none)
     call_fields: Callable | None = None
+    #: the ``str`` arguments that name a cache format (``layout.FORMATS``): from the kernels'
+    #: trampoline on (the checks, the call signature, the provider kernels) they are the
+    #: ``layout.CacheFormat`` objects (``None`` stays ``None``)
+    formats: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +77,20 @@ class Op:
     spec: OpSpec
     overload: torch._ops.OpOverload  # torch.ops.dsv4.<name>.default
     defaults: tuple  # per argument, its schema default (None where it has none)
+    formats: tuple[int, ...]  # the positions of the arguments that name a cache format
     #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper; in
     #: plain eager use (``dispatch.direct_call_allowed``) the kernels' path (``dispatch.backend_kernel``)
     #: without the dispatcher's round trip, else :attr:`overload`
     run: Callable
 
+    def arguments(self, args: tuple) -> tuple:
+        """``args`` as provider kernels receive them: the trailing defaults the dispatcher drops
+        restored, the cache formats resolved (:func:`dispatch.with_formats`)."""
+        args = tuple(args) + self.defaults[len(args):]
+        return dispatch.with_formats(args, self.formats) if self.formats else args
+
     def signature(self, args: tuple) -> tuple:
-        """The call signature (``spec.call``) of a call with ``args``, in schema order."""
+        """The call signature (``spec.call``) of a call with ``args`` (:meth:`arguments`)."""
         fields = self.spec.call_fields
         return self.spec.call(*(fields(*args) if fields else ()))
 
@@ -96,17 +108,18 @@ def define(spec: OpSpec) -> Op:
             raise TypeError(f"dsv4.{name}: OpSpec.{role} must take the op's arguments {names}, "
                             f"got {tuple(inspect.signature(fn).parameters)}")
     outputs = () if spec.outputs is None else tuple(inspect.signature(spec.outputs).parameters)
-    for role, named in (("outputs", outputs), ("float_inputs", spec.float_inputs)):
+    for role, named in (("outputs", outputs), ("float_inputs", spec.float_inputs), ("formats", spec.formats)):
         if not set(named) <= set(names):
             raise TypeError(f"dsv4.{name}: OpSpec.{role} names no argument: {sorted(set(named) - set(names))}")
 
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
-    fake = _fake(spec.check, spec.outputs, tuple(names.index(arg) for arg in outputs), defaults)
+    formats = tuple(names.index(arg) for arg in spec.formats)
+    fake = _fake(spec.check, spec.outputs, tuple(names.index(arg) for arg in outputs), defaults, formats)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
 
     dispatch.register_op(name)
     grad_args = tuple((i, arg) for i, arg in enumerate(names) if arg in spec.float_inputs)
-    parts = (defaults, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
+    parts = (defaults, formats, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
     for key in ("CPU", "CUDA", "XPU"):
         _lib.impl(name, dispatch.backend_kernel(name, key.lower(), *parts), key)
     _lib.impl(name, dispatch.backend_kernel(name, None, *parts), "CompositeExplicitAutograd")
@@ -120,7 +133,7 @@ def define(spec: OpSpec) -> Op:
     )
     run = dispatch.backend_kernel(name, None, *parts, entry=(overload, tensors, tensor_lists))
     SCHEMAS[name] = spec.schema
-    DEFINED[name] = Op(name, spec, overload, defaults, run)
+    DEFINED[name] = Op(name, spec, overload, defaults, formats, run)
     return DEFINED[name]
 
 
@@ -128,9 +141,12 @@ def _no_fields(*args) -> tuple:
     return ()
 
 
-def _fake(check: Callable, outputs: Callable | None, positions: tuple[int, ...], defaults: tuple) -> Callable:
+def _fake(check: Callable, outputs: Callable | None, positions: tuple[int, ...], defaults: tuple,
+          formats: tuple[int, ...]) -> Callable:
     def fake(*args):
         args = args + defaults[len(args):]  # the dispatcher drops trailing defaults
+        if formats:
+            args = dispatch.with_formats(args, formats)
         check(*args)
         if outputs is not None:
             return outputs(*(args[i] for i in positions))

@@ -20,7 +20,7 @@ class StoreCall(NamedTuple):
 
     page_size: int
     page_stride: int
-    kv_format: str
+    kv_format: layout.CacheFormat
 
 
 # --------------------------------------------------------------------------------------------
@@ -31,7 +31,7 @@ _STORE = Checker("fused_k_norm_rope_flashmla")
 _STORE_TENSORS = ("kv", "kv_weight", "freqs", "positions", "out_loc", "kvcache")
 
 
-def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> int:
+def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format=layout.V4) -> int:
     c = _STORE
     c.same_device(_STORE_TENSORS, kv, kv_weight, freqs, positions, out_loc, kvcache)
     num_tokens = c.tensor("kv", kv, FLOAT_DTYPES, (None, layout.HEAD_DIM))[0]
@@ -47,7 +47,7 @@ def check_store(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_siz
     return num_tokens
 
 
-def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4") -> None:
+def check_store_data(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format=layout.V4) -> None:
     if kv.shape[0] == 0:
         return
     c = _STORE
@@ -71,6 +71,7 @@ _STORE_OP = define(OpSpec(
     float_inputs=("kv", "kv_weight", "freqs"),
     call=StoreCall,
     call_fields=_store_call,
+    formats=("kv_format",),
 ))
 
 
@@ -113,7 +114,7 @@ _QUANTIZE_STORE = Checker("quantize_store")
 _QUANTIZE_STORE_TENSORS = ("kv", "out_loc", "kvcache")
 
 
-def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4") -> int:
+def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format=layout.V4) -> int:
     c = _QUANTIZE_STORE
     c.same_device(_QUANTIZE_STORE_TENSORS, kv, out_loc, kvcache)
     num_tokens = c.tensor("kv", kv, FLOAT_DTYPES, (None, layout.HEAD_DIM))[0]
@@ -124,7 +125,7 @@ def check_quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4") -> int
     return num_tokens
 
 
-def check_quantize_store_data(kv, out_loc, kvcache, page_size, kv_format="v4") -> None:
+def check_quantize_store_data(kv, out_loc, kvcache, page_size, kv_format=layout.V4) -> None:
     if kv.shape[0]:
         _QUANTIZE_STORE.slots_valid("out_loc", out_loc, layout.capacity(kvcache, page_size), holes="negative")
 
@@ -143,6 +144,7 @@ _QUANTIZE_STORE_OP = define(OpSpec(
     float_inputs=("kv",),
     call=StoreCall,
     call_fields=_quantize_store_call,
+    formats=("kv_format",),
 ))
 
 

@@ -177,15 +177,13 @@ def _store(kvcache, page_size, out_loc, fmt, encode) -> None:
         scale_records[page, offset] = scales
 
 
-def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
-    fmt = layout.cache_format(kv_format)
-    _store(kvcache, page_size, out_loc, fmt, lambda rows: encode_tokens(
-        normed_rotated(kv[rows], kv_weight, freqs, positions[rows], eps, fmt), fmt))
+def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format=layout.V4):
+    _store(kvcache, page_size, out_loc, kv_format, lambda rows: encode_tokens(
+        normed_rotated(kv[rows], kv_weight, freqs, positions[rows], eps, kv_format), kv_format))
 
 
-def quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4"):
-    fmt = layout.cache_format(kv_format)
-    _store(kvcache, page_size, out_loc, fmt, lambda rows: encode_tokens(kv[rows].float(), fmt))
+def quantize_store(kv, out_loc, kvcache, page_size, kv_format=layout.V4):
+    _store(kvcache, page_size, out_loc, kv_format, lambda rows: encode_tokens(kv[rows].float(), kv_format))
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +262,7 @@ def _blocks(cache, page_size, kv_format, indices, lengths, rows: slice, keys: in
 def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
 ):
     batch, s_q, heads = q.shape[:3]
     rows = batch * s_q

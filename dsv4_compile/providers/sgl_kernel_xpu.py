@@ -79,9 +79,9 @@ def load(device: torch.device) -> dict[str, Callable]:
 #: and it reads and writes V4 caches only.
 STORE_RULE = dispatch.Rule(
     "page_size a power of two and kv_format 'v4'",
-    lambda device, call: layout.is_power_of_two(call.page_size) and call.kv_format == "v4",
+    lambda device, call: layout.is_power_of_two(call.page_size) and call.kv_format is layout.V4,
 )
-DECODE_RULE = dispatch.Rule("kv_format 'v4'", lambda device, call: call.kv_format == "v4")
+DECODE_RULE = dispatch.Rule("kv_format 'v4'", lambda device, call: call.kv_format is layout.V4)
 
 
 def register() -> None:
@@ -138,7 +138,7 @@ class _Adapters:
         self.device = device
 
     def fused_k_norm_rope_flashmla(self, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size,
-                                   kv_format="v4"):
+                                   kv_format=layout.V4):
         if out_loc.dtype != torch.int32:
             out_loc = out_loc.clamp_min(-1).to(torch.int32)  # any negative slot is a skip: -1
         self.lib.fused_k_norm_rope_flashmla(
@@ -156,7 +156,7 @@ class _Adapters:
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
     ):
         batch, s_q, heads = q.shape[:3]
         rows = batch * s_q

@@ -188,7 +188,7 @@ class FlashMLAKernels:
     def flash_mla_with_kvcache(
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+        tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
     ):
         batch, s_q, heads, _ = q.shape
         width = indices.shape[-1]
@@ -199,9 +199,9 @@ class FlashMLAKernels:
         if self.decode_validates and not (
             # what FlashMLA's decode does not check itself (FLASHMLA_VALIDATES), or a path that does not
             # reach it: then the metadata checks run here
-            batch and s_q and (heads == 64 or heads == 128) and kv_format == "v4"
+            batch and s_q and (heads == 64 or heads == 128) and kv_format is layout.V4
             and kv is not None and (extra_k_cache is None) == (extra_kv is None)
-            and (extra_kv_format is None or (extra_kv_format == "v4" and extra_k_cache is not None))
+            and (extra_kv_format is None or (extra_kv_format is layout.V4 and extra_k_cache is not None))
             and width <= checks.MAX_INDEX_WIDTH and extra_width <= checks.MAX_INDEX_WIDTH
             and head_dim_v == layout.HEAD_DIM and type(softmax_scale) is float
             and (tile_scheduler_metadata is None) == (num_splits is None)
@@ -220,7 +220,7 @@ class FlashMLAKernels:
         if batch == 0 or s_q == 0:  # FlashMLA refuses empty launches; there is nothing to compute
             return decode_outputs(q, head_dim_v)
         decode_op = self.decode_op
-        if kv_format != "v4":  # V4.1 interleaved (the rule): the current kernels
+        if kv_format is not layout.V4:  # V4.1 interleaved (the rule): the current kernels
             decode_op = self.v41_decode_op
             if decode_op is None:
                 raise dispatch.ProviderUnavailable(
@@ -326,7 +326,7 @@ def _cached_view(cache, page_size, kv_format):
     return hit[3]
 
 
-def _view(cache: torch.Tensor, page_size: int, kv_format: str = "v4") -> torch.Tensor:
+def _view(cache: torch.Tensor, page_size: int, kv_format: layout.CacheFormat = layout.V4) -> torch.Tensor:
     """``layout.flashmla_view(cache, page_size, kv_format)`` of a validated cache, built once per
     cache tensor (three tensor ops saved per call of the eager hot path); rebuilt if the page size,
     the format or the storage changed. An entry leaves with its cache (weak reference callback),
@@ -426,7 +426,7 @@ _FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_meta
 def _v4_decode(device: torch.device, call) -> bool:
     """V4 caches; SM100's V4 decode reads pages with the tensor-memory accelerator: page strides
     must be multiples of 576 bytes (canonical ``page_bytes``). SM90 reads any stride >= P*584."""
-    return call.kv_format == "v4" and (
+    return call.kv_format is layout.V4 and (
         _capability(device)[0] != 10
         or (call.page_stride % layout.PAGE_ALIGN == 0 and call.extra_page_stride % layout.PAGE_ALIGN == 0)
     )
@@ -435,9 +435,9 @@ def _v4_decode(device: torch.device, call) -> bool:
 def _v41_decode(device: torch.device, call) -> bool:
     """V4.1 interleaved caches on SM100 (FlashMLA's current kernels): page strides multiples of the
     token bytes (528, or 288 for an FP4 extra cache)."""
-    if call.kv_format == "v4" or _capability(device)[0] != 10:
+    if call.kv_format is layout.V4 or _capability(device)[0] != 10:
         return False
-    main, extra = layout.FORMATS[call.kv_format], layout.FORMATS[call.extra_kv_format or call.kv_format]
+    main, extra = call.kv_format, call.extra_kv_format or call.kv_format
     return (
         main.interleaved and extra.interleaved and call.page_stride % main.token_bytes == 0
         and call.extra_page_stride % extra.token_bytes == 0

@@ -68,10 +68,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from ... import dispatch, layout
-from ...ops import registry
 from ...ops.decode import decode_outputs
 from ...ops.prefill import prefill_outputs
 from .. import reference
@@ -691,12 +689,12 @@ def _partial_mode(splits) -> int:
 
 #: Per cache format, the decode kernel's constexprs: format id, data bytes, scale bytes, interleaved.
 FORMAT_CONSTEXPRS = {
-    name: (0 if fmt.is_v4 else 1 if fmt.values == "fp8" else 2, fmt.data_bytes, fmt.scale_bytes, fmt.interleaved)
-    for name, fmt in layout.FORMATS.items()
+    fmt: (0 if fmt.is_v4 else 1 if fmt.values == "fp8" else 2, fmt.data_bytes, fmt.scale_bytes, fmt.interleaved)
+    for fmt in layout.FORMATS.values()
 }
 
 
-def _format_kwargs(kv_format: str, extra_kv_format: str | None) -> dict:
+def _format_kwargs(kv_format: layout.CacheFormat, extra_kv_format: layout.CacheFormat | None) -> dict:
     main = FORMAT_CONSTEXPRS[kv_format]
     extra = FORMAT_CONSTEXPRS[extra_kv_format or kv_format]
     names = ("FMT", "DATA_BYTES", "SCALE_BYTES", "INTERLEAVED")
@@ -713,7 +711,7 @@ def _page_shift(page_size) -> tuple[int, bool]:
 
 def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
             extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v,
-            kv_format="v4", extra_kv_format=None):
+            kv_format=layout.V4, extra_kv_format=None):
     """Allocate the outputs (and a workspace if split) and launch; ``kernels`` maps a jitted
     kernel to what is launched (itself, or its ``wrap_triton`` wrapper)."""
     batch, s_q, heads = q.shape[:3]
@@ -800,7 +798,7 @@ _eager = triton_common.eager  # eager launches: jitted kernel -> its EagerLaunch
 def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format="v4", extra_kv_format=None,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
 ):
     """``dsv4::flash_mla_with_kvcache`` (docs/design.md §2.3) on validated arguments, every cache
     format; scheduler metadata is ignored. No host sync: capture-safe."""
@@ -858,30 +856,13 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     return triton_common.inlines(op, device, args, KERNELS[op], _decode_kernel)
 
 
-def _functional_rule(op: str, launch):
-    defined = registry.DEFINED[op]
-    defaults, check = defined.defaults, defined.spec.check
-
-    def rule(mode, op_overload, types, args, kwargs):
-        args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
-        if not triton_common.may_trace(types) or not inlines(op, args[0].device, args):
-            return mode.__torch_dispatch__(op_overload, types, args, kwargs)
-        with mode:
-            check(*args)
-            return launch(torch.library.wrap_triton, *args)
-
-    return rule
-
-
 def _decode_traced(kernels, *args):
     return _decode(kernels, *args[:10], *args[12:])  # the scheduler metadata is not used
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
 for _op, _launch in ((DECODE, _decode_traced), (PREFILL, _prefill)):
-    torch.library.register_torch_dispatch(
-        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _launch), lib=_lib
-    )
+    triton_common.decompose(_lib, _op, _launch, inlines)
 for _op, _names in ((DECODE, ("_decode_kernel", "_combine_kernel")), (PREFILL, ("_prefill_kernel",))):
     triton_common.register_cache_key(
         _op, triton_common.InlinedKernels(functools.partial(inlines, _op), _names, globals())

@@ -6,8 +6,9 @@
   imports Triton and rebinds those names in the module's globals, where Triton's compiler looks.
 * Provider availability (:func:`require_device`): a Triton backend for the device type, and the
   device itself.
-* Inductor visibility: the conditions under which a FunctionalTensorMode rule may trace an op into
-  ``wrap_triton`` launches (:func:`may_trace`).
+* Inductor visibility (:func:`decompose`): under ``torch.compile``'s functionalization an op that
+  our Triton kernels serve is traced into its ``wrap_triton`` launches, so Inductor sees and
+  schedules the kernels (:func:`inlines`, :func:`may_trace`, :func:`register_cache_key`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from ... import checks, dispatch
 from ...ops import registry
@@ -354,6 +355,34 @@ def may_trace(types) -> bool:
     except ImportError:
         return True
     return not custom_triton_ops_decomposition_disabled()
+
+
+def decompose(lib: torch.library.Library, op: str, launch, inlines, opaque=None) -> None:
+    """Register, in ``lib``, ``op``'s FunctionalTensorMode rule: trace a call into
+    ``launch(torch.library.wrap_triton, *args)`` (its arguments as provider kernels receive them,
+    ``registry.Op.arguments``; the metadata checks first) when :func:`may_trace` and ``inlines(op,
+    device, args)``, and unless ``opaque(args)``; else the op stays one opaque node.
+
+    This is the rule ``torch.library.triton_op`` registers for the op it defines, which cannot
+    serve here: a ``triton_op`` is one implementation per op, while a ``dsv4`` op's kernel is chosen
+    per call among providers (the rule must first ask which one serves the call, and keep the op
+    whole when it is not ours)."""
+    defined = registry.DEFINED[op]
+    check = defined.spec.check
+
+    def rule(mode, overload, types, args, kwargs):
+        resolved = defined.arguments(args)
+        if (
+            not may_trace(types)
+            or (opaque is not None and opaque(resolved))
+            or not inlines(op, resolved[0].device, resolved)
+        ):
+            return mode.__torch_dispatch__(overload, types, args, kwargs)
+        with mode:
+            check(*resolved)
+            return launch(torch.library.wrap_triton, *resolved)
+
+    torch.library.register_torch_dispatch(f"dsv4::{op}", FunctionalTensorMode, rule, lib=lib)
 
 
 def register_cache_key(op: str, entry) -> None:

@@ -36,20 +36,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from ... import dispatch, layout
-from ...ops import registry
 from . import common as triton_common
 
 OP = "fused_k_norm_rope_flashmla"
 PLAIN = "quantize_store"
 NAME = "triton"
-#: Launch geometry by the values format: ``(tokens per program`` (a power of two), ``warps per
+#: Launch geometry by the values format (``CacheFormat.values``): ``(tokens per program`` (a power of two), ``warps per
 #: program)``, the fastest of a sweep on the H200 at 65536 tokens (benchmarks/RESULTS.md, "Cache
 #: store", and its history; FP4: 2 x 1 took 0.82x the time of 4 x 4 once its codes stopped
 #: dividing, and stayed the fastest with the paired compares, 0.94x the next).
-GEOMETRY = {"v4": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
+GEOMETRY = {"fp8+bf16": (4, 1), "fp8": (4, 2), "fp4": (2, 1)}
 #: Up to this many tokens (a decode step's stores, a short prefill) every format stores one token
 #: per one-warp program instead: the device has SMs to spare, and a program that handles one token
 #: finishes sooner. On the H200 (benchmarks/RESULTS.md, "Cache store"; CUDA graphs) that took
@@ -430,7 +428,7 @@ def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, pag
     num_tokens = kv.shape[0]
     if num_tokens == 0:
         return
-    fmt = layout.cache_format(kv_format)
+    fmt = kv_format
     if fmt.is_v4:
         kernel, formats = _store_kernel, {}
     else:
@@ -452,16 +450,16 @@ def geometry(fmt: layout.CacheFormat, num_tokens: int) -> tuple[int, int]:
     ``(1, 1)`` up to :data:`SMALL_TOKENS` tokens, else :data:`GEOMETRY`'s for the format."""
     if num_tokens <= SMALL_TOKENS:
         return 1, 1
-    return GEOMETRY["v4" if fmt.is_v4 else fmt.values]
+    return GEOMETRY[fmt.values]
 
 
-def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format="v4") -> tuple:
+def _plain_arguments(kv, out_loc, kvcache, page_size, kv_format=layout.V4) -> tuple:
     """The launch arguments of a plain quantize-and-store: ``kv`` and ``out_loc`` stand in for the
     weight, the table and the positions the kernels do not read then."""
     return kv, kv, kv, out_loc, out_loc, kvcache, 0.0, page_size, kv_format, False
 
 
-def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format="v4"):
+def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format=layout.V4):
     """``dsv4::fused_k_norm_rope_flashmla`` (eager) on validated arguments, every cache format: one
     launch, no host sync."""
     _triton()
@@ -470,7 +468,7 @@ def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache
                 kv_format, True)
 
 
-def quantize_store(kv, out_loc, kvcache, page_size, kv_format="v4"):
+def quantize_store(kv, out_loc, kvcache, page_size, kv_format=layout.V4):
     """``dsv4::quantize_store`` (eager) on validated arguments, every cache format: one launch."""
     _triton()
     with triton_common.device_guard(kv.device):
@@ -506,32 +504,19 @@ def inlines(op: str, device: torch.device, args: tuple | None = None) -> bool:
     return triton_common.inlines(op, device, args, KERNELS[op], _store_kernel)
 
 
-def _functional_rule(op_name: str, launch_arguments):
-    defined = registry.DEFINED[op_name]
-    defaults, check = defined.defaults, defined.spec.check
-
-    def rule(mode, op, types, args, kwargs):
-        """FunctionalTensorMode rule: run the launch through ``wrap_triton`` so it enters the graph."""
-        args = tuple(args) + defaults[len(args):]  # the dispatcher drops trailing defaults
-        symbolic = not all(isinstance(n, int) for n in args[0].shape)
-        if symbolic or not triton_common.may_trace(types) or not inlines(op_name, args[0].device, args):
-            # A symbolic token count keeps the opaque op: the launch traced with one rounds a RoPE
-            # value otherwise than the eager launch of the same kernel (one bf16 ulp, at 1025
-            # tokens), where static graphs are byte-exact; the op's bytes must not depend on how
-            # it was compiled (scripts/repro_triton_symbolic_store.py, benchmarks/RESULTS.md).
-            return mode.__torch_dispatch__(op, types, args, kwargs)
-        with mode:
-            check(*args)
-            _launch(torch.library.wrap_triton, *launch_arguments(*args))
-        return None
-
-    return rule
+def _symbolic_token_count(args) -> bool:
+    """A symbolic token count keeps the store opaque: the launch traced with one rounds a RoPE value
+    otherwise than the eager launch of the same kernel (one bf16 ulp, at 1025 tokens), where static
+    graphs are byte-exact; the op's bytes must not depend on how it was compiled
+    (scripts/repro_triton_symbolic_store.py, benchmarks/RESULTS.md)."""
+    return not all(isinstance(n, int) for n in args[0].shape)
 
 
 _lib = torch.library.Library("dsv4", "FRAGMENT")
 for _op, _arguments in ((OP, lambda *args: (*args, True)), (PLAIN, _plain_arguments)):
-    torch.library.register_torch_dispatch(
-        f"dsv4::{_op}", FunctionalTensorMode, _functional_rule(_op, _arguments), lib=_lib
+    triton_common.decompose(
+        _lib, _op, lambda wrap, *args, _arguments=_arguments: _launch(wrap, *_arguments(*args)), inlines,
+        opaque=_symbolic_token_count,
     )
     triton_common.register_cache_key(_op, triton_common.InlinedKernels(
         functools.partial(inlines, _op), ("_store_kernel", "_store_v41_kernel"), globals()))
