@@ -2,6 +2,7 @@
 
     python benchmarks/bench_overhead.py [--json out.json] [--plot out.png]   # on a CUDA machine
     python benchmarks/bench_overhead.py --quick                              # CPU smoke (CI)
+    python benchmarks/bench_overhead.py --launcher [--json out.json]         # Triton's launcher vs the fast one
     python benchmarks/bench_overhead.py plot after.json out.png [before.json]  # a plot of saved runs
 
 Host time per call is the wall time of a long loop of non-blocking calls divided by the calls
@@ -22,6 +23,10 @@ ratios compare like with like. Per op and size:
   ``dsv4_compile.fused_k_norm_rope_flashmla`` (the ``triton`` provider); ``raw_op`` = our Triton
   kernel launched directly (there is no library store on CUDA).
 
+``--launcher`` times ``ours`` with every op served by the ``triton`` provider, its eager launches
+through ``kernel[grid](...)`` (the default) and through :class:`EagerLauncher`'s fast path
+(``DSV4_COMPILE_TRITON_FAST_LAUNCH=1``), in turns as above.
+
 ``--quick`` runs the same op path on CPU, FlashMLA's adapter included, with FlashMLA's ops and the
 store kernel replaced by stubs that return preallocated outputs (``raw_op`` = calling the stub):
 the wrappers, trampolines, checks, provider lookup and adapter, without a GPU, so a regression of
@@ -31,7 +36,6 @@ the per-call path shows up in CI. It asserts nothing.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -146,11 +150,7 @@ def cuda_raw_calls() -> dict:
         }
 
     def store(*args):  # the jitted kernel launched as is (Triton's own launcher)
-        triton_store._triton()
-        if "kernels" in inspect.signature(triton_store._launch).parameters:
-            return {"raw_op": lambda: triton_store._launch(lambda kernel: kernel, *args, layout.V4, True)}
-        # the package before 0.2 (before/after tables): _launch(kernel, *args)
-        return {"raw_op": lambda: triton_store._launch(triton_store._store_kernel, *args)}
+        return {"raw_op": lambda: triton_store._launch(lambda kernel: kernel, *args, layout.V4, True)}
 
     return {"decode": decode, "prefill": prefill, "store": store}
 
@@ -202,13 +202,59 @@ def cpu_stub_calls() -> dict:
     return {"decode": decode, "prefill": prefill, "store": store}
 
 
+def launcher_rows(sync) -> list[dict]:
+    """Per case, ``ours`` with the ``triton`` provider: host µs per call through Triton's own
+    launcher and through the fast one, timed in turns (the launchers' switch flipped per turn)."""
+    import triton
+
+    from dsv4_compile.providers.triton import common as triton_common
+
+    if not triton.__version__.startswith(triton_common.FAST_LAUNCH_TRITON):
+        raise SystemExit(f"the fast launcher serves Triton {triton_common.FAST_LAUNCH_TRITON}, not {triton.__version__}")
+
+    def switched(fn, enabled):
+        def run():
+            for launcher in triton_common._LAUNCHERS.values():
+                launcher.enabled = enabled
+            return fn
+        return run
+
+    rows = []
+    none = {"decode": lambda *a: {}, "prefill": lambda *a: {}, "store": lambda *a: {}}
+    with d4.use_provider("triton", ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "fused_k_norm_rope_flashmla")):
+        for op, size, ours, _ in cases("cuda", none):
+            ours()  # creates the kernels' launchers
+            samples = {"triton_launcher": [], "fast_launcher": []}
+            for _ in range(15):
+                for name, enabled in (("triton_launcher", False), ("fast_launcher", True)):
+                    fn = switched(ours, enabled)()
+                    samples[name].append(host_us({name: fn}, sync, rounds=1)[name])
+            row = {"op": op, "size": size, **{f"{k}_us": statistics.median(v) for k, v in samples.items()}}
+            row["ratio"] = row["fast_launcher_us"] / row["triton_launcher_us"]
+            rows.append(row)
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="CPU, stubbed kernels (a smoke test)")
+    parser.add_argument("--launcher", action="store_true", help="Triton's eager launcher vs the fast one (CUDA)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.launcher:
+        import triton
+
+        with torch.inference_mode():
+            rows = launcher_rows(torch.cuda.synchronize)
+        report = {"torch": torch.__version__, "triton": triton.__version__,
+                  "device": torch.cuda.get_device_name(), "rows": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return report
     if args.quick:
         device, sync, raw = "cpu", lambda: None, cpu_stub_calls()
     else:

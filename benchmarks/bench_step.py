@@ -276,10 +276,10 @@ def host_functions(step, steps: int, device, top: int = 25) -> list[dict]:
 
 #: the layer part a GPU kernel belongs to, from its name (Inductor names kernels after the aten ops they fuse)
 PARTS = (
-    ("attention op", ("sparse_decode", "flash_fwd", "flashmla", "flash_mla", "splitkv", "combine", "_decode_kernel", "_combine")),
+    ("attention op", ("sparse_decode", "flash_fwd", "flashmla", "flash_mla", "splitkv", "combine", "decode_kernel", "_combine")),
     ("cache store", ("_store", "store_kernel", "quant")),
     ("scheduler", ("sched", "metadata")),
-    ("indexer", ("indexer", "_logits_kernel", "topk")),
+    ("indexer", ("indexer", "logits_kernel", "topk")),
     ("compressor", ("compressor",)),
     ("projections (GEMM)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk", "gemv", "wgmma")),
     ("lm head / norm", ("lm_head", "norm")),

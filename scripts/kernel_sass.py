@@ -44,7 +44,7 @@ def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms:
     """``(kernel, args, kwargs)`` of each launch of ``case`` on CPU tensors, as a GPU of
     ``capability`` with ``sms`` SMs makes them (the decode's main and extra caches in ``formats``)."""
     bf16 = dict(dtype=torch.bfloat16)
-    triton_indexer._triton()  # (its launcher takes the jitted kernels; the attention entries jit their own)
+    triton_indexer._kernels()  # import the kernels (and Triton) before recording
     with triton_offline.recorded(capability, sms) as recorded:
         if case == "decode":
             cache = layout.alloc_cache(4, 256, "cpu", kv_format=formats[0])

@@ -57,13 +57,13 @@ def compiled_store(kv_format: str, block_t: int, num_warps: int, hardware: bool,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    triton_store._triton()
+    triton_store._kernels()
     fmt = layout.cache_format(kv_format)
     constexprs = {**dict.fromkeys(UNIT, 1), "PAGE_SIZE": 256, "BLOCK_T": block_t, "FUSED": True, "HW": hardware}
     if fmt.is_v4:
-        kernel = triton_store._store_kernel
+        kernel = triton_store._kernels().store_kernel
     else:
-        kernel = triton_store._store_v41_kernel
+        kernel = triton_store._kernels().store_v41_kernel
         constexprs.update(FP4=fmt.values == "fp4", INTERLEAVED=fmt.interleaved)
     types = {**ARGUMENTS, **{name: "constexpr" for name in constexprs}}
     names = list(inspect.signature(kernel.fn).parameters)

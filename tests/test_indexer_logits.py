@@ -121,7 +121,7 @@ def test_tf32x3_only_on_nvidia_gpus_with_tensor_cores(monkeypatch):
     from dsv4_compile.providers.triton import common as triton_common, indexer as triton_indexer
 
     pytest.importorskip("triton")
-    triton_indexer._triton()
+    triton_indexer._kernels()
     capabilities = {0: (8, 0), 1: (7, 5)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device.index])
@@ -222,7 +222,7 @@ def test_triton_programs_per_row_change_no_bit(device):
     from dsv4_compile.providers.triton import common as triton_common, indexer as triton_indexer
 
     args = make_case(3, 5, 32, 300, 400, device=device)  # 5 blocks of 64 columns per row
-    triton_indexer._triton()
+    triton_indexer._kernels()
     outs = []
     for programs in (1, 2, 5):
         out = torch.full((3, 300), 7.0, device=device)

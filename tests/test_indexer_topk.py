@@ -137,7 +137,7 @@ def test_triton_looped_program_against_stable_sort(case, device, launched):
     within one chunk), and on a strided row: the same indices."""
     from dsv4_compile.providers.triton import indexer as triton_indexer
 
-    triton_indexer._triton()  # (the launcher takes the jitted kernels the op's entry point makes)
+    triton_indexer._kernels()  # import the kernels (and Triton)
     rows, width, k = CASES[case]
     logits = make_logits(rows, width, device)
     out = torch.empty(rows, k, dtype=torch.int64, device=device)
@@ -146,7 +146,7 @@ def test_triton_looped_program_against_stable_sort(case, device, launched):
     out.fill_(-1)
     triton_indexer.launch_topk(strided(logits), k, out, chunk=256, program="looped")
     assert torch.equal(out.cpu(), expected(logits, k))
-    assert launched == ["_topk_looped_kernel"] * 2
+    assert launched == ["topk_looped_kernel"] * 2
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -159,14 +159,14 @@ def test_triton_split_program_against_stable_sort(rows, width, k, steps, device,
     (the first ``k`` columns, whatever the pieces); a strided row: the same indices."""
     from dsv4_compile.providers.triton import indexer as triton_indexer
 
-    triton_indexer._triton()
+    triton_indexer._kernels()
     logits = make_logits(rows, width, device)
     logits[-1] = 0.0
     out = torch.empty(rows, k, dtype=torch.int64, device=device)
     triton_indexer.launch_topk(logits, k, out, chunk=256, program="split")
     assert torch.equal(out.cpu(), expected(logits, k))
     assert out[-1].tolist() == list(range(k))
-    assert launched == ["_topk_kernel"] * (steps + 1)  # a launch per step, then the last selection
+    assert launched == ["topk_kernel"] * (steps + 1)  # a launch per step, then the last selection
     out.fill_(-1)
     triton_indexer.launch_topk(strided(logits), k, out, chunk=256, program="split")
     assert torch.equal(out.cpu(), expected(logits, k))
@@ -262,7 +262,7 @@ def test_cuda_wide_rows_take_the_rules_program(launched):
     from dsv4_compile.providers.triton import indexer as triton_indexer
 
     chunk, widest = triton_indexer.TOPK_CHUNK, triton_indexer.TOPK_MAX_WIDTH
-    launches = {"split": ["_topk_kernel"] * 2, "registers": ["_topk_kernel"], "looped": ["_topk_looped_kernel"]}
+    launches = {"split": ["topk_kernel"] * 2, "registers": ["topk_kernel"], "looped": ["topk_looped_kernel"]}
     for rows, width, k, program in [(3, chunk + 1, 600, "split"), (3, 5 * chunk + 77, 600, "split"),
                                     (100, widest + 1, 600, "split"), (3, widest, chunk // 4 + 1, "registers"),
                                     (3, widest + 1, chunk // 4 + 1, "looped")]:

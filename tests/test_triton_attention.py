@@ -39,6 +39,7 @@ import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
 from dsv4_compile.providers import reference  # noqa: E402
 from dsv4_compile.providers.triton import attention as ta, common as triton_common  # noqa: E402
+from dsv4_compile.providers.triton.kernels import attention as attention_kernels  # noqa: E402
 from dsv4_compile.tolerances import DEVICE as TOL  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_BYTES,
@@ -77,7 +78,7 @@ DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cu
 @pytest.fixture(scope="module", autouse=True)
 def _provider():
     """A temporary provider serving the two ops with this module's kernels (forced per test)."""
-    ta._triton()  # jit the kernels (interpreted in the child)
+    ta._kernels()  # import the kernels (interpreted in the child)
     loaders = {"cuda": ta.load}
     if INTERPRETED:  # interpreted kernels run CPU tensors
         loaders["cpu"] = lambda device: dict(ta.KERNELS)
@@ -321,12 +322,12 @@ def test_decode_split_decided_at_run_time(device, n, splits, monkeypatch):
 
 
 def _rank_kernel(blocks_ptr, rows, out_ptr, ROWS: tl.constexpr, BINS: tl.constexpr):
-    """Program ``p`` stores the row of rank ``p`` (:func:`ta._longest_first`)."""
+    """Program ``p`` stores the row of rank ``p`` (:func:`~dsv4_compile.providers.triton.kernels.attention._longest_first`)."""
     r = tl.arange(0, ROWS)
     live = r < rows
     blocks = tl.load(blocks_ptr + r, mask=live, other=0)
     p = tl.program_id(0)
-    tl.store(out_ptr + p, ta._longest_first(p, blocks, live, BINS))
+    tl.store(out_ptr + p, attention_kernels._longest_first(p, blocks, live, BINS))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -334,7 +335,7 @@ def _rank_kernel(blocks_ptr, rows, out_ptr, ROWS: tl.constexpr, BINS: tl.constex
 def test_longest_first(device, rows):
     """Program ``p`` gets the row of rank ``p`` by block count, most first, ties by row: the rows
     sorted so (a permutation: every row once), with empty rows and rows of the top bin."""
-    ta._triton()
+    ta._kernels()
     gen = torch.Generator().manual_seed(rows)
     blocks = torch.randint(0, 8, (rows,), generator=gen, dtype=torch.int32)
     blocks[0] = 7
@@ -622,7 +623,7 @@ def test_decode_loop_stages(rows, stages):
     """As launched for an H200 (132 SMs): both key loops at one stage where every split holds one
     key block (T = 1 and 8 over 128 + 512 keys: 10 splits), else the main loop at the launch's
     ``num_stages`` (None) and the extra-cache loop at ``DECODE_CONFIG.extra_stages``."""
-    ta._triton()
+    ta._kernels()
     cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
     q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)
     idx = torch.zeros(rows, 1, 100, dtype=torch.int32)  # padded to 128: two 64-key blocks
@@ -630,7 +631,7 @@ def test_decode_loop_stages(rows, stages):
     with triton_offline.recorded((9, 0), 132) as launches:
         triton_decode(q, cache, 256, idx, None, None, extra, 64, x_idx, None, None, None, SCALE, 512)
     kernel, _, kwargs = launches[0]
-    assert kernel.fn.__name__ == "_decode_kernel"
+    assert kernel.fn.__name__ == "decode_kernel"
     assert (kwargs["STAGES"], kwargs["X_STAGES"]) == stages
     assert ta.decode_loop_stages(ta.DECODE_CONFIG, 10, 100, 513) == (None, ta.DECODE_CONFIG.extra_stages)
 
@@ -646,7 +647,7 @@ def test_decode_order(rows, lengths, order):
     """As launched for an H200 (132 SMs): rows taken longest first exactly where one-split rows
     with lengths fill more than one wave, with a rank vector of whole rows and a bin per block
     count (0 .. 10 here: 16 bins)."""
-    ta._triton()
+    ta._kernels()
     cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
     q = torch.randn(rows, 1, 64, 512, dtype=torch.bfloat16)
     idx = torch.zeros(rows, 1, 128, dtype=torch.int32)
@@ -688,7 +689,7 @@ def test_decode_launch_is_guard_free_for_symbolic_rows():
         out, lse = ta._decode(Recorder, q, fake(layout.alloc_cache(4, 64)), 64, idx, None, None,
                               None, 1, None, None, SCALE, 512)
     assert [(name, partial) for name, _, partial in launches] == [
-        ("_decode_kernel", 2), ("_combine_kernel", None)]
+        ("decode_kernel", 2), ("combine_kernel", None)]
     assert isinstance(launches[0][1][2], torch.SymInt)  # the split count
     assert not env.guards
     assert lse.stride() == (64, 1, 64)
@@ -740,7 +741,7 @@ def _aot_forward_graph(fn, args):
 
 
 @compiled_triton
-@pytest.mark.parametrize("rows,launches", [(2, ["_decode_kernel", "_combine_kernel"]), (512, ["_decode_kernel"])])
+@pytest.mark.parametrize("rows,launches", [(2, ["decode_kernel", "combine_kernel"]), (512, ["decode_kernel"])])
 def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launches):
     """On CUDA tensors (fake ones: no GPU needed) with these kernels serving, decode becomes the
     split and combine launches (one launch when unsplit) and prefill one launch, writing only
@@ -778,7 +779,7 @@ def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launche
         assert ta.inlines(ta.DECODE, q.device) and ta.inlines(ta.PREFILL, q.device)
         decode_graph = _aot_forward_graph(DECODE, decode)
         assert kernels(decode_graph) == launches
-        assert kernels(_aot_forward_graph(PREFILL, prefill)) == ["_prefill_kernel"]
+        assert kernels(_aot_forward_graph(PREFILL, prefill)) == ["prefill_kernel"]
         assert not any(n.target in (DECODE, PREFILL) for n in decode_graph.nodes)
     with d4.use_provider("reference"):
         assert not ta.inlines(ta.DECODE, q.device)
@@ -881,8 +882,8 @@ def test_compiled_decode_step_launches_the_kernels(rows):
         with torch._inductor.config.patch(force_disable_caches=True):
             got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), *inputs)
     code = "\n".join(codes)
-    assert "_decode_kernel" in code and "torch.ops.dsv4.flash_mla_with_kvcache" not in code
-    assert ("_combine_kernel" in code) == (rows == 8)
+    assert "decode_kernel" in code and "torch.ops.dsv4.flash_mla_with_kvcache" not in code
+    assert ("combine_kernel" in code) == (rows == 8)
     record(kind="triton_compiled_decode", rows=rows, graphs=explanation.graph_count,
            breaks=explanation.graph_break_count, equal=torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)

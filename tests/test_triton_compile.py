@@ -104,7 +104,7 @@ def test_every_kernel_compiles(capability, request):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
     for module in (triton_store, triton_attention, flashmla_schedule, triton_indexer, triton_rope):
-        module._triton()
+        module._kernels()
     with triton_offline.recorded(capability) as launches:
         for entry, args in calls():
             entry(*args)
@@ -124,11 +124,11 @@ def test_every_kernel_compiles(capability, request):
         assert columns <= 512, f"{kernel.fn.__name__} {constexprs}: {columns} tensor-memory columns of 512"
         shared = binary.metadata.shared
         assert shared <= limit, f"{kernel.fn.__name__} {constexprs}: {shared} B of shared memory, {limit} B per block"
-        if kernel.fn.__name__ == "_prefill_kernel":
+        if kernel.fn.__name__ == "prefill_kernel":
             prefill_shared = max(prefill_shared, shared)
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
-    expected = {"_store_kernel", "_store_v41_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-                "_schedule_kernel", "_logits_kernel", "_topk_kernel", "_topk_looped_kernel", "_rope_kernel"}
+    expected = {"store_kernel", "store_v41_kernel", "decode_kernel", "combine_kernel", "prefill_kernel",
+                "schedule_kernel", "logits_kernel", "topk_kernel", "topk_looped_kernel", "rope_kernel"}
     assert set(compiled) == expected, compiled
     # the figure prefill_config's rule reads (the launches above: 64 heads, 512- and 576-dim queries)
     assert prefill_shared == prefill.shared_bytes, (prefill, prefill_shared)

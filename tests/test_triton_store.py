@@ -35,6 +35,7 @@ import dsv4_compile as d4  # noqa: E402
 from dsv4_compile import dispatch, layout  # noqa: E402
 from dsv4_compile.providers import reference  # noqa: E402
 from dsv4_compile.providers.triton import common as triton_common, store as triton_store  # noqa: E402
+from dsv4_compile.providers.triton.kernels import store as store_kernels  # noqa: E402
 from dsv4_compile.tolerances import STORE_FP8_STEP  # noqa: E402
 from helpers import report, run_interpreted_child, store_inputs  # noqa: E402
 
@@ -57,7 +58,7 @@ _diffs = {"calls": 0, "fp8": 0, "fp8_total": 0, "bf16": 0, "bf16_total": 0}
 def _provider_and_report(request):
     """Register the provider (idempotent) and jit the kernels; report differing bytes at the end."""
     triton_store.register()
-    triton_store._triton()
+    triton_store._kernels()
     yield
     if _diffs["calls"]:
         report(
@@ -369,9 +370,9 @@ def test_formats_match_reference(device, kv_format, fused, geometry):
 def _apply_helpers(x_ptr, fp8_ptr, bf16_ptr, exponent_ptr, n, BLOCK: tl.constexpr, HW: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n)
-    tl.store(fp8_ptr + i, triton_store._e4m3fn_saturated(v, HW), mask=i < n)
-    tl.store(bf16_ptr + i, triton_store._bf16_bits(v, HW), mask=i < n)
-    tl.store(exponent_ptr + i, triton_store._ue8m0_exponent(tl.abs(v)), mask=i < n)
+    tl.store(fp8_ptr + i, store_kernels._e4m3fn_saturated(v, HW), mask=i < n)
+    tl.store(bf16_ptr + i, store_kernels._bf16_bits(v, HW), mask=i < n)
+    tl.store(exponent_ptr + i, store_kernels._ue8m0_exponent(tl.abs(v)), mask=i < n)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN/inf inputs
@@ -428,7 +429,7 @@ def _apply_e2m1(x_ptr, s_ptr, byte_ptr, WIDTH: tl.constexpr, BF16: tl.constexpr)
     row = tl.program_id(0)
     x = tl.load(x_ptr + row * WIDTH + tl.arange(0, WIDTH))
     s = tl.load(s_ptr + row * (WIDTH // 16) + tl.arange(0, WIDTH // 16))
-    b = triton_store._e2m1_bytes(tl.reshape(x, (1, WIDTH)), tl.reshape(s, (1, WIDTH // 16)), WIDTH, 1, BF16)
+    b = store_kernels._e2m1_bytes(tl.reshape(x, (1, WIDTH)), tl.reshape(s, (1, WIDTH // 16)), WIDTH, 1, BF16)
     tl.store(byte_ptr + row * (WIDTH // 2) + tl.arange(0, WIDTH // 2), tl.reshape(b, (WIDTH // 2,)))
 
 
@@ -441,7 +442,7 @@ def test_fp4_codes_without_division_are_the_quotients(device, bf16):
     (``bf16``: the fused store's, and a bf16 ``kv``'s) or any fp32 ones (a plain store of float16 /
     float32 ``kv``). At each threshold times the scale, one ulp either side (bf16 or fp32), values
     spread over the whole range of codes and past it, in either place of a pair; signed zeros too."""
-    triton_store._triton()
+    triton_store._kernels()
     scales = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     scales = scales[scales >= layout.FP4_SCALE_MIN]
     magnitudes = torch.tensor(layout.E2M1_VALUES)
@@ -474,8 +475,8 @@ def test_hardware_conversions_only_on_nvidia_gpus_with_fp8_instructions(monkeypa
     """The conversion instructions are used on CUDA devices of compute capability 8.9+ with
     compiled kernels; not on SM80, ROCm, CPU, or under the interpreter (whose fp8 casts are
     numpy's). Decided from the device's capability (here a stand-in SM90 and SM80)."""
-    triton_store._triton()
-    kernel = triton_store._store_kernel
+    triton_store._kernels()
+    kernel = triton_store._kernels().store_kernel
     capabilities = {0: (9, 0), 1: (8, 0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device.index])
@@ -513,14 +514,37 @@ def test_op_on_cuda_uses_triton_and_matches_reference():
     assert_matches_reference(args[5], expected, 64, args[4])
 
 
+@pytest.fixture
+def fast_launch(monkeypatch):
+    """Eager launches through the fast launcher (opted in, on the Triton versions it serves)."""
+    if not triton.__version__.startswith(triton_common.FAST_LAUNCH_TRITON):
+        pytest.skip(f"the fast launcher serves Triton {triton_common.FAST_LAUNCH_TRITON}, not {triton.__version__}")
+    monkeypatch.setenv(triton_common.FAST_LAUNCH_ENV, "1")
+    triton_common._LAUNCHERS.clear()
+    yield
+    triton_common._LAUNCHERS.clear()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the launchers of interpreted kernels are Triton's")
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_fast_launcher_only_when_opted_in(monkeypatch, env):
+    """Eager launches go through Triton's own ``kernel[grid](...)`` unless
+    ``DSV4_COMPILE_TRITON_FAST_LAUNCH=1`` opts in, and then only on a Triton version it lists."""
+    if env is None:
+        monkeypatch.delenv(triton_common.FAST_LAUNCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(triton_common.FAST_LAUNCH_ENV, env)
+    launcher = triton_common.EagerLauncher(triton_store._kernels().store_kernel)
+    assert launcher.enabled == (env == "1" and triton.__version__.startswith(triton_common.FAST_LAUNCH_TRITON))
+
+
 @pytest.mark.cuda
 @compiled_triton
-def test_eager_launcher_compiles_per_alignment():
-    """Eager launches reuse a compiled kernel per specialisation: a kv whose rows start 2 bytes
-    off 16-byte alignment gets its own kernel, and every call matches the reference."""
-    from dsv4_compile.providers.triton import common as triton_common
-
-    launcher = triton_common.eager(triton_store._store_kernel)
+def test_eager_launcher_compiles_per_alignment(fast_launch):
+    """Fast eager launches reuse a compiled kernel per specialisation: a kv whose rows start 2
+    bytes off 16-byte alignment gets its own kernel, and every call matches the reference."""
+    launcher = triton_common.eager(triton_store._kernels().store_kernel)
+    assert launcher.enabled
     launcher.plans.clear()
     for offset in (0, 1, 0, 1):  # aligned, misaligned, then each again from the launcher's cache
         args = list(make_case("cuda", 12, 64))
@@ -530,24 +554,21 @@ def test_eager_launcher_compiles_per_alignment():
         assert (args[0].data_ptr() % 16 == 0) == (offset == 0)
         expected = run_both(args)
         assert_matches_reference(args[5], expected, 64, args[4])
-    assert len(launcher.plans) == 2 or not launcher.enabled
+    assert len(launcher.plans) == 2
 
 
 @pytest.mark.cuda
 @compiled_triton
-def test_eager_launches_call_launch_hooks_when_set():
-    """Without launch hooks an eager launch goes straight to the launcher's C entry point; a launch
-    hook (what Triton's profiler integration adds) sees every eager launch, with the kernel's name,
-    as Triton's own launcher shows it."""
+def test_eager_launches_call_launch_hooks_when_set(fast_launch):
+    """Without launch hooks a fast eager launch goes straight to the launcher's C entry point; a
+    launch hook (what Triton's profiler integration adds) sees every eager launch, with the
+    kernel's name, as Triton's own launcher shows it."""
     from triton import knobs
-
-    from dsv4_compile.providers.triton import common as triton_common
 
     args = make_case("cuda", 12, 64)
     run_both(args)  # compiles; the next launches reuse the plan
-    launcher = triton_common.eager(triton_store._store_kernel)
-    if not launcher.enabled:
-        pytest.skip("eager launches go through Triton's own launcher on this Triton")
+    launcher = triton_common.eager(triton_store._kernels().store_kernel)
+    assert launcher.enabled
     entries = {plan: plan.entry for plan in launcher.plans.values()}
     assert None not in entries.values()
     entered = []
@@ -570,7 +591,7 @@ def test_eager_launches_call_launch_hooks_when_set():
                 hooks.remove(record)
             knobs.runtime.launch_enter_hook = hooks
         assert_matches_reference(args[5], expected, 64, args[4])
-        assert seen == ["_store_kernel"] and entered == [1]
+        assert seen == ["store_kernel"] and entered == [1]
     finally:
         for plan, entry in entries.items():
             plan.entry = entry
@@ -667,7 +688,7 @@ def test_functionalization_traces_the_triton_launch(monkeypatch, request):
     graph = _aot_forward_graph(args).graph
     (node,) = [n for n in graph.nodes if n.target is triton_kernel_wrapper_functional]
     kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])  # num_warps wraps it in a Config
-    assert getattr(kernel, "fn", kernel) is triton_store._store_kernel
+    assert getattr(kernel, "fn", kernel) is triton_store._kernels().store_kernel
     assert node.kwargs["tensors_to_clone"] == ["cache_ptr"]
     assert not any(n.target is STORE for n in graph.nodes)
 
@@ -723,7 +744,7 @@ def test_compile_launches_the_triton_kernel_in_place():
     STORE(*args[:5], expected, *args[6:])
     counter, code = _compile_and_get_code(args)
     assert counter.frame_count == 1
-    assert "_store_kernel" in code and "torch.ops.dsv4.fused_k_norm_rope_flashmla" not in code
+    assert "store_kernel" in code and "torch.ops.dsv4.fused_k_norm_rope_flashmla" not in code
     _assert_no_cache_copy(code, args[5])
     assert torch.equal(args[5], expected)
 
@@ -759,7 +780,7 @@ def test_compile_under_reference_override_calls_the_op():
         STORE(*args[:5], expected, *args[6:])
         counter, code = _compile_and_get_code(args)
     assert counter.frame_count == 1
-    assert "torch.ops.dsv4.fused_k_norm_rope_flashmla.default(" in code and "_store_kernel" not in code
+    assert "torch.ops.dsv4.fused_k_norm_rope_flashmla.default(" in code and "store_kernel" not in code
     _assert_no_cache_copy(code, args[5])
     assert torch.equal(args[5], expected)
 

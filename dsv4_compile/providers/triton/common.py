@@ -1,9 +1,8 @@
 """What the Triton kernel modules (:mod:`.store`, :mod:`.attention`, :mod:`.indexer`) share.
 
 * Lazy Triton: importing ``dsv4_compile`` must not import Triton (slow, and absent on many CPU
-  machines). The kernel modules define their ``@triton.jit`` functions and ``tl.constexpr``
-  constants as plain Python, list their names, and call :func:`jit_in_place` on first use: it
-  imports Triton and rebinds those names in the module's globals, where Triton's compiler looks.
+  machines). The kernels are plain ``@triton.jit`` functions in :mod:`.kernels`, one module per
+  provider module, which imports its own on first use (:func:`kernels`).
 * Provider availability (:func:`require_device`): a Triton backend for the device type, and the
   device itself.
 * Inductor visibility (:func:`decompose`): under ``torch.compile``'s functionalization an op that
@@ -15,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
-import threading
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -31,31 +30,31 @@ BACKENDS = {"cuda": ("nvidia", "amd"), "xpu": ("intel",)}
 #: ``DSV4_COMPILE_TRITON_INLINE=0`` keeps the Triton ops opaque under ``torch.compile`` (read at
 #: compile time).
 INLINE_ENV = "DSV4_COMPILE_TRITON_INLINE"
+#: ``DSV4_COMPILE_TRITON_FAST_LAUNCH=1`` opts eager launches into :class:`EagerLauncher`'s fast path
+#: (a private Triton interface) on the Triton versions of :data:`FAST_LAUNCH_TRITON`; read when a
+#: kernel first launches eagerly. Off by default: eager launches are ``kernel[grid](...)``.
+FAST_LAUNCH_ENV = "DSV4_COMPILE_TRITON_FAST_LAUNCH"
 
-_LOCK = threading.Lock()
+_KERNELS: dict = {}  # kernels module name -> module
 
 
-def jit_in_place(scope: dict, constexprs, jitted):
-    """Once per module (``scope`` is its ``globals()``): import Triton, wrap ``constexprs`` in
-    ``tl.constexpr`` and ``jitted`` in ``triton.jit``, set the module's ``triton`` and ``tl``;
-    return the ``triton`` module. Raises :class:`~dsv4_compile.dispatch.ProviderUnavailable` when
-    Triton is not importable.
-    """
-    if scope.get("tl") is not None:
-        return scope["triton"]
-    with _LOCK:
-        if scope.get("tl") is None:
-            try:
-                import triton
-                import triton.language as tl
-            except ImportError as exc:
-                raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
-            for name in constexprs:
-                scope[name] = tl.constexpr(scope[name])
-            for name in jitted:
-                scope[name] = triton.jit(scope[name])
-            scope["triton"], scope["tl"] = triton, tl
-    return scope["triton"]
+def kernels(name: str):
+    """The module ``name`` (absolute) of plain ``@triton.jit`` kernels, imported (and with it
+    Triton) on first use; so ``TRITON_INTERPRET`` is read then. Raises
+    :class:`~dsv4_compile.dispatch.ProviderUnavailable` when Triton is not importable."""
+    module = _KERNELS.get(name)
+    if module is None:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise dispatch.ProviderUnavailable(f"triton is not importable ({exc})") from exc
+        _KERNELS[name] = module
+    return module
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), as ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def interpreting(kernel) -> bool:
@@ -101,7 +100,7 @@ def device_available(device: torch.device) -> bool:
     return torch.get_device_module(device.type).is_available()
 
 
-def require_device(triton, kernel, device: torch.device, what: str) -> None:
+def require_device(kernel, device: torch.device, what: str) -> None:
     """Raise :class:`~dsv4_compile.dispatch.ProviderUnavailable` unless Triton can run ``what`` on
     ``device``: a supported device type, a Triton backend for it, the device present. Interpreted
     kernels (``TRITON_INTERPRET=1``, tests) serve CPU tensors on every key."""
@@ -109,6 +108,8 @@ def require_device(triton, kernel, device: torch.device, what: str) -> None:
         raise dispatch.ProviderUnavailable(f"no Triton {what} for device type {device.type!r}")
     if interpreting(kernel):
         return
+    import triton
+
     found, wanted = triton.backends.backends, BACKENDS[device.type]
     if not any(b in found for b in wanted):
         raise dispatch.ProviderUnavailable(
@@ -167,14 +168,15 @@ def device_guard(device: torch.device):
     return module.device(device)
 
 
-#: Triton versions whose launcher internals :class:`EagerLauncher` calls (checked on the H200);
-#: on others eager launches go through ``kernel[grid](...)``.
+#: Triton versions whose launcher internals :class:`EagerLauncher` calls (tested on the H200 and
+#: the H100: ``-m cuda``); on others eager launches go through ``kernel[grid](...)``.
 FAST_LAUNCH_TRITON = ("3.6.",)
 
 
 class EagerLauncher:
-    """``launcher[grid](*args, **constexprs_and_options)``: an eager launch of a jitted kernel with
-    the host work Triton's JIT launcher repeats on every call done once per specialization.
+    """``launcher[grid](*args, **constexprs_and_options)``: an eager launch of a jitted kernel;
+    ``kernel[grid](...)`` unless opted in (:data:`FAST_LAUNCH_ENV`), then with the host work
+    Triton's JIT launcher repeats on every call done once per specialization.
 
     ``kernel[grid](...)`` binds the arguments, specialises each (dtype, 16-byte alignment of
     pointers; ints by range, ``== 1`` and divisibility by 16), hashes that into a key, rechecks the
@@ -182,8 +184,9 @@ class EagerLauncher:
     host for the store. Here the key is computed from the same properties (at least as finely:
     a key of ours never maps two calls Triton would compile differently to one kernel), the first
     launch of a key goes through ``kernel[grid](...)`` and its compiled kernel is kept as a
-    :class:`_LaunchPlan`, and later launches of the key call the plan. While interpreting, or on a
-    Triton version not in :data:`FAST_LAUNCH_TRITON`, every launch goes through ``kernel[grid](...)``.
+    :class:`_LaunchPlan`, and later launches of the key call the plan. Not opted in, while
+    interpreting, or on a Triton version not in :data:`FAST_LAUNCH_TRITON`, every launch goes
+    through ``kernel[grid](...)``.
     """
 
     __slots__ = ("kernel", "plans", "enabled", "current_device", "current_stream")
@@ -194,7 +197,9 @@ class EagerLauncher:
         self.kernel = kernel
         self.plans = {}
         self.enabled = (
-            not interpreting(kernel) and triton.__version__.startswith(FAST_LAUNCH_TRITON)
+            os.environ.get(FAST_LAUNCH_ENV) == "1"
+            and not interpreting(kernel)
+            and triton.__version__.startswith(FAST_LAUNCH_TRITON)
         )
         self.current_device = self.current_stream = None  # the active driver's, at the first launch
 
@@ -320,7 +325,8 @@ def inlining_allowed(device: torch.device) -> bool:
 def inlines(op: str, device: torch.device, args: tuple | None, entry, kernel) -> bool:
     """Whether ``torch.compile`` traces ``op`` on ``device`` (for a call with ``args``, or for any
     call when ``None``) into visible launches of a Triton module whose provider entry for ``op`` is
-    ``entry`` and whose jitted ``kernel`` says whether Triton interprets it.
+    ``entry`` and whose jitted ``kernel()`` (a function returning it: asked only once the provider,
+    and so Triton, has loaded) says whether Triton interprets it.
 
     True when, at compile time, the provider that serves the call on ``device`` (under the current
     :func:`~dsv4_compile.use_provider` override) runs ``entry``, compiled (not ``TRITON_INTERPRET``:
@@ -341,7 +347,7 @@ def inlines(op: str, device: torch.device, args: tuple | None, entry, kernel) ->
             return False
     except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False
-    return not interpreting(kernel)
+    return not interpreting(kernel())
 
 
 def may_trace(types) -> bool:
@@ -395,13 +401,13 @@ def register_cache_key(op: str, entry) -> None:
 
 class InlinedKernels:
     """An AOTAutograd cache-key entry (:func:`register_cache_key`): iterating it yields the named
-    kernels of ``scope`` when a compile now would inline them (``inlines(device)`` on the current
+    kernels of module ``module`` (:func:`kernels`) when a compile now would inline them (``inlines(device)`` on the current
     device of a device type present), and nothing otherwise. So an inlined graph is never served
     from the cache to a compile that would not inline (another provider forced, checked mode,
     inlining off), and editing a kernel invalidates cached graphs."""
 
-    def __init__(self, inlines, names: tuple[str, ...], scope: dict):
-        self.inlines, self.names, self.scope = inlines, names, scope
+    def __init__(self, inlines, names: tuple[str, ...], module: str):
+        self.inlines, self.names, self.module = inlines, names, module
 
     def __iter__(self):
         for device_type in DEVICE_TYPES:
@@ -409,5 +415,6 @@ class InlinedKernels:
             if module is None or not module.is_available():
                 continue
             if self.inlines(torch.device(device_type, module.current_device())):
-                return iter([self.scope[name] for name in self.names])
+                scope = kernels(self.module)
+                return iter([getattr(scope, name) for name in self.names])
         return iter(())

@@ -31,7 +31,8 @@ Rows wider than :data:`TOPK_MAX_WIDTH` with ``k`` past a quarter of a piece: a p
 that reads it in chunks, four 256-bin histogram passes (a radix select a byte at a time: fewer
 reads of the row than a bit at a time), then one pass that writes.
 
-Importing this module imports no Triton (:mod:`.common`). Under ``torch.compile`` the op
+The kernels are plain ``@triton.jit`` functions in :mod:`.kernels.indexer`, imported with Triton
+on first use. Under ``torch.compile`` the op
 stays an opaque call (it has no Inductor decomposition): dynamic token counts and CUDA graphs
 take it as any other op.
 """
@@ -72,199 +73,26 @@ def topk_warps(block: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The Triton code: plain functions until _triton() jits them.
+# The kernels: plain @triton.jit functions in .kernels.indexer, imported with Triton on first use.
 # --------------------------------------------------------------------------------------------
 
-triton = tl = None  # bound by _triton()
-_CONSTEXPRS = ()
-
-
-def _logits_kernel(
-    q_ptr, w_ptr, keys_ptr, slots_ptr, out_ptr,
-    heads, dim, width,
-    q_t, q_h, q_d, w_t, w_h, k_s, k_d, s_t, s_k, out_t,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    in_dim = d < dim
-    # this program's blocks of BLOCK_N columns: its index in the row, then every num_programs(1)-th
-    for block in range(tl.program_id(1), tl.cdiv(width, BLOCK_N), tl.num_programs(1)):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_row = cols < width
-        slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
-        live = slots >= 0
-        # no head is scored (no key read) in a block none of whose columns is visible
-        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
-        key = tl.load(
-            keys_ptr + slots[:, None] * k_s + d[None, :] * k_d, mask=live[:, None] & in_dim[None, :], other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for h0 in range(0, scored_heads, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            in_heads = h < heads
-            qh = tl.load(
-                q_ptr + t * q_t + h[:, None] * q_h + d[None, :] * q_d,
-                mask=in_heads[:, None] & in_dim[None, :], other=0.0,
-            )  # [BLOCK_H, BLOCK_D]
-            scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-            w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
-            relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
-            acc += tl.sum(relu * w[:, None], axis=0)
-        logits = tl.where(live, acc, float("-inf"))
-        tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
-
-
-def _topk_key(x):
-    """32-bit unsigned keys in the op's order of float32 ``x``: one NaN (above ``+inf``), ``-0.0``
-    as ``0.0``."""
-    x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float order (signed)
-    return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
-
-
-def _topk_digit(count, need, prefix, shift: tl.constexpr):
-    """One radix step: of the candidates' histogram ``count`` over the byte at ``shift``, the
-    bucket that holds the ``need``-th largest; returns ``prefix`` with that byte set and what is
-    left to take in it."""
-    bins = tl.arange(0, 256)
-    above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0)  # candidates in higher buckets
-    hit = (above < need) & (above + count >= need)  # exactly one bucket
-    chosen = tl.sum(tl.where(hit, bins, 0), axis=0)
-    need -= tl.sum(tl.where(hit, above, 0), axis=0)
-    return prefix | (chosen.to(tl.uint32) << shift), need
-
-
-def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key_row, KEYS_OUT: tl.constexpr):
-    """Write the columns of ``key`` above ``prefix`` (the ``k``-th largest key) and those equal to
-    it up to the ``need``-th, counting ``equal_seen`` equal ones before these, in column order after
-    the ``taken`` already written (with ``KEYS_OUT`` their keys too, at the same places of
-    ``key_row``); return both counts with these columns'. At most 65535 columns at a time: one
-    prefix sum counts the keys above (low 16 bits) and equal (high bits) up to each column."""
-    above = in_row & (key > prefix)
-    equal = in_row & (key == prefix)
-    counts = above.to(tl.int32) + (equal.to(tl.int32) << 16)
-    both = tl.cumsum(counts, axis=0)
-    rank = equal_seen + (both >> 16)  # equal keys up to this column, this one included
-    take = above | (equal & (rank <= need))
-    # columns taken up to this one: those before, the keys above up to here, the equal ones up to
-    # the need-th
-    done = tl.minimum(equal_seen, need)
-    slot = taken + (both & 0xFFFF) + tl.minimum(rank, need) - done - 1
-    tl.store(out_row + slot, cols.to(out_row.dtype.element_ty), mask=take)
-    if KEYS_OUT:
-        tl.store(key_row + slot, key.to(tl.int32, bitcast=True), mask=take)
-    total = tl.sum(counts, axis=0)
-    seen = equal_seen + (total >> 16)
-    return taken + (total & 0xFFFF) + tl.minimum(seen, need) - done, seen
-
-
-def _topk_kernel(
-    x_ptr, col_ptr, out_ptr, key_out_ptr, width, k, x_t, x_m, out_t,
-    BLOCK: tl.constexpr, KEYS_IN: tl.constexpr, KEYS_OUT: tl.constexpr,
-):
-    """A row of at most ``BLOCK`` columns, held in registers. With ``KEYS_IN`` the row is a
-    candidate list (32-bit keys at ``x_ptr``, their columns at ``col_ptr``, both ``[T, width]`` of
-    row stride ``x_t``) instead of float32 logits. With ``KEYS_OUT`` a program takes the
-    ``BLOCK``-column piece ``program_id(1)`` of its row and writes the columns and keys of the
-    piece's top ``min(k, its width)`` at ``piece * k`` of ``out_ptr`` / ``key_out_ptr`` (row stride
-    ``out_t``): a candidate list, in column order, for the next step."""
-    tl.static_assert(BLOCK < 65536)  # _topk_write's counts
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < width
-    if KEYS_IN:
-        key = tl.load(x_ptr + t * x_t + cols, mask=in_row, other=0).to(tl.uint32, bitcast=True)
-        index = tl.load(col_ptr + t * x_t + cols, mask=in_row, other=0)
-    else:
-        key = _topk_key(tl.load(x_ptr + t * x_t + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
-        index = cols
-    out_row = out_ptr + t * out_t
-    key_row = key_out_ptr + t * out_t
-    need = k
-    if KEYS_OUT:
-        out_row += tl.program_id(1) * k
-        key_row += tl.program_id(1) * k
-        need = tl.minimum(k, width - tl.program_id(1) * BLOCK)
-    # the need-th largest key: the row's smallest where fewer than `need` keys are above it (a
-    # row with fewer visible columns than `need`: the rest are all -inf); else a bit at a time
-    # from the top, the largest key that at least `need` keys reach (every real key is above 0,
-    # the key of the columns past the row), stopping early where exactly `need` keys reach it
-    # (~19 of the 32 steps for 4096 distinct values: those are the need largest, and the write
-    # below takes them all). Then how many of the keys equal to it are to take
-    key = tl.where(in_row, key, 0)
-    low = tl.min(tl.where(in_row, key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
-    few = tl.sum((key > low).to(tl.int32), axis=0) < need
-    prefix = tl.where(few, low, 0)
-    reach = tl.where(few, need, need + 1)  # keys at or above prefix where that ends the search
-    step = need * 0
-    while (step < 32) & (reach != need):
-        probe = prefix | (tl.full([], 1, tl.uint32) << (31 - step).to(tl.uint32))
-        count = tl.sum((key >= probe).to(tl.int32), axis=0)
-        prefix = tl.where(count >= need, probe, prefix)
-        reach = tl.where(count >= need, count, reach)
-        step += 1
-    need -= tl.sum((key > prefix).to(tl.int32), axis=0)
-    # every key above it, and the first `need` equal to it in column order; written in column order
-    _topk_write(out_row, key, index, in_row, prefix, need, 0, 0, key_row, KEYS_OUT)
-
-
-def _topk_looped_kernel(
-    x_ptr, out_ptr, width, k, x_t, x_m, out_t,
-    CHUNK: tl.constexpr,
-):
-    """A row of any width, read ``CHUNK`` columns at a time: four histogram passes (one per byte
-    of the k-th largest key), then one pass that writes the selection in column order."""
-    tl.static_assert(CHUNK < 65536)  # _topk_write's counts
-    t = tl.program_id(0).to(tl.int64)
-    row = x_ptr + t * x_t
-    prefix = tl.zeros([], tl.uint32)
-    need = k
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i
-        count = tl.zeros([256], tl.int32)
-        for c0 in range(0, width, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            in_row = cols < width
-            key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
-            candidate = in_row
-            if i > 0:  # the keys that share the bytes found so far
-                candidate = candidate & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            count += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=candidate)
-        prefix, need = _topk_digit(count, need, prefix, shift)
-    taken = 0  # columns written so far
-    equal_seen = 0  # keys equal to the k-th largest seen so far
-    for c0 in range(0, width, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        in_row = cols < width
-        key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
-        taken, equal_seen = _topk_write(
-            out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen, out_ptr, False
-        )
-
-
-_JITTED = ("_logits_kernel", "_topk_key", "_topk_digit", "_topk_write", "_topk_kernel", "_topk_looped_kernel")
-
-
-def _triton():
-    """Import Triton and jit this module's kernel in place, once (:mod:`.common`)."""
-    return triton_common.jit_in_place(globals(), _CONSTEXPRS, _JITTED)
+def _kernels():
+    """This provider's jitted kernels, :mod:`.kernels.indexer` (imported with Triton on first use)."""
+    return triton_common.kernels(f"{__package__}.kernels.indexer")
 
 
 def geometry(dim: int, heads: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_H, BLOCK_D)`` for keys of ``dim`` and ``heads`` query heads: the key
     padded to a power of two (``tl.dot`` needs >= 16), :data:`BLOCK_N` / :data:`BLOCK_H` up to
     128-dim keys and :data:`BLOCK_WIDE` beyond; no more heads per dot than there are (>= 16)."""
-    block_d = max(16, triton.next_power_of_2(dim))
+    block_d = max(16, triton_common.next_power_of_2(dim))
     block = BLOCK_N if block_d <= 128 else BLOCK_WIDE
-    block_h = min(BLOCK_H if block_d <= 128 else BLOCK_WIDE, max(16, triton.next_power_of_2(heads)))
+    block_h = min(BLOCK_H if block_d <= 128 else BLOCK_WIDE, max(16, triton_common.next_power_of_2(heads)))
     return block, block_h, block_d
 
 
 def indexer_logits(q, weights, keys, block_slots):
     """``dsv4::indexer_logits`` (eager) on validated arguments: one launch, no host sync."""
-    _triton()
     logits = indexer_logits_output(q, block_slots)
     with triton_common.device_guard(q.device):
         launch(q, weights, keys, block_slots, logits)
@@ -297,7 +125,7 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
     column_blocks = -(-width // block_n)
     programs = min(programs or programs_per_row(q.device, tokens, column_blocks), column_blocks)
     qs, ws, ks, ss = q.stride(), weights.stride(), keys.stride(), block_slots.stride()
-    triton_common.eager(_logits_kernel)[(tokens, programs)](
+    triton_common.eager(_kernels().logits_kernel)[(tokens, programs)](
         q, weights, keys, block_slots, logits,
         heads, dim, width,
         qs[0], qs[1], qs[2], ws[0], ws[1], ks[0], ks[1], ss[0], ss[1], logits.stride()[0],
@@ -308,7 +136,6 @@ def launch(q, weights, keys, block_slots, logits, blocks=None, num_warps=NUM_WAR
 def indexer_topk(logits, k):
     """``dsv4::indexer_topk`` (eager) on validated arguments: one launch (none for an empty call),
     no host sync."""
-    _triton()
     out = indexer_topk_output(logits, k)
     with triton_common.device_guard(logits.device):
         launch_topk(logits, k, out)
@@ -348,7 +175,7 @@ def launch_topk(logits, k, out, num_warps=None, chunk=None, program=None) -> Non
     if program == "registers":
         _launch_in_registers(logits, logits, out, width, k, x_t, x_m, False, num_warps)
     elif program == "looped":
-        triton_common.eager(_topk_looped_kernel)[(tokens,)](
+        triton_common.eager(_kernels().topk_looped_kernel)[(tokens,)](
             logits, out, width, k, x_t, x_m, out.stride()[0], CHUNK=chunk, num_warps=num_warps or TOPK_CHUNK_WARPS,
         )
     else:
@@ -359,8 +186,8 @@ def _launch_in_registers(x, col, out, width, k, x_t, x_m, keys_in, num_warps) ->
     """The in-register program over rows of ``width`` columns: float32 logits, or with ``keys_in``
     a candidate list (keys ``x``, columns ``col``), one program per row writing ``out``."""
     # never narrower than 256 columns (the geometry narrow rows are tested in)
-    block = max(256, triton.next_power_of_2(width))
-    triton_common.eager(_topk_kernel)[(x.shape[0],)](
+    block = max(256, triton_common.next_power_of_2(width))
+    triton_common.eager(_kernels().topk_kernel)[(x.shape[0],)](
         x, col, out, out, width, k, x_t, x_m, out.stride()[0],
         BLOCK=block, KEYS_IN=keys_in, KEYS_OUT=False, num_warps=num_warps or topk_warps(block),
     )
@@ -385,7 +212,7 @@ def _launch_split(logits, k, out, chunk, num_warps) -> None:
         narrow = (pieces - 1) * k + min(k, width - (pieces - 1) * chunk)
         keys = torch.empty(rows, narrow, dtype=torch.int32, device=logits.device)
         cols = torch.empty(rows, narrow, dtype=torch.int32, device=logits.device)
-        triton_common.eager(_topk_kernel)[(rows, pieces)](
+        triton_common.eager(_kernels().topk_kernel)[(rows, pieces)](
             x, col, cols, keys, width, k, x_t, x_m, narrow,
             BLOCK=chunk, KEYS_IN=keys_in, KEYS_OUT=True, num_warps=num_warps or topk_warps(chunk),
         )
@@ -398,12 +225,12 @@ def precision(device: torch.device) -> str:
     compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
     each operand split into a TF32 head and a TF32 tail, ~21 of float32's 24 significand bits;
     the tail x tail product dropped), else ``"ieee"`` (float32 FMAs: XPU, ROCm, the interpreter)."""
-    return "tf32x3" if triton_common.nvidia_compiled(device, _logits_kernel, (8, 0)) else "ieee"
+    return "tf32x3" if triton_common.nvidia_compiled(device, _kernels().logits_kernel, (8, 0)) else "ieee"
 
 
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
-    triton_common.require_device(_triton(), _logits_kernel, device, "indexer")
+    triton_common.require_device(_kernels().logits_kernel, device, f"{__package__}.kernels.indexer")
     return {OP: indexer_logits, TOPK: indexer_topk}
 
 

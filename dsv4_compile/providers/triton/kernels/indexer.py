@@ -1,0 +1,177 @@
+"""The lightning indexer's Triton kernels: block logits and top-k. :mod:`..indexer` launches them
+and documents what they compute; importing this module imports Triton (the provider imports it on
+first use)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def logits_kernel(
+    q_ptr, w_ptr, keys_ptr, slots_ptr, out_ptr,
+    heads, dim, width,
+    q_t, q_h, q_d, w_t, w_h, k_s, k_d, s_t, s_k, out_t,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < dim
+    # this program's blocks of BLOCK_N columns: its index in the row, then every num_programs(1)-th
+    for block in range(tl.program_id(1), tl.cdiv(width, BLOCK_N), tl.num_programs(1)):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = cols < width
+        slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
+        live = slots >= 0
+        # no head is scored (no key read) in a block none of whose columns is visible
+        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
+        key = tl.load(
+            keys_ptr + slots[:, None] * k_s + d[None, :] * k_d, mask=live[:, None] & in_dim[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for h0 in range(0, scored_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            in_heads = h < heads
+            qh = tl.load(
+                q_ptr + t * q_t + h[:, None] * q_h + d[None, :] * q_d,
+                mask=in_heads[:, None] & in_dim[None, :], other=0.0,
+            )  # [BLOCK_H, BLOCK_D]
+            scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+            w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
+            relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
+            acc += tl.sum(relu * w[:, None], axis=0)
+        logits = tl.where(live, acc, float("-inf"))
+        tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
+
+
+@triton.jit
+def _topk_key(x):
+    """32-bit unsigned keys in the op's order of float32 ``x``: one NaN (above ``+inf``), ``-0.0``
+    as ``0.0``."""
+    x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float order (signed)
+    return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
+
+
+@triton.jit
+def _topk_digit(count, need, prefix, shift: tl.constexpr):
+    """One radix step: of the candidates' histogram ``count`` over the byte at ``shift``, the
+    bucket that holds the ``need``-th largest; returns ``prefix`` with that byte set and what is
+    left to take in it."""
+    bins = tl.arange(0, 256)
+    above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0)  # candidates in higher buckets
+    hit = (above < need) & (above + count >= need)  # exactly one bucket
+    chosen = tl.sum(tl.where(hit, bins, 0), axis=0)
+    need -= tl.sum(tl.where(hit, above, 0), axis=0)
+    return prefix | (chosen.to(tl.uint32) << shift), need
+
+
+@triton.jit
+def _topk_write(out_row, key, cols, in_row, prefix, need, taken, equal_seen, key_row, KEYS_OUT: tl.constexpr):
+    """Write the columns of ``key`` above ``prefix`` (the ``k``-th largest key) and those equal to
+    it up to the ``need``-th, counting ``equal_seen`` equal ones before these, in column order after
+    the ``taken`` already written (with ``KEYS_OUT`` their keys too, at the same places of
+    ``key_row``); return both counts with these columns'. At most 65535 columns at a time: one
+    prefix sum counts the keys above (low 16 bits) and equal (high bits) up to each column."""
+    above = in_row & (key > prefix)
+    equal = in_row & (key == prefix)
+    counts = above.to(tl.int32) + (equal.to(tl.int32) << 16)
+    both = tl.cumsum(counts, axis=0)
+    rank = equal_seen + (both >> 16)  # equal keys up to this column, this one included
+    take = above | (equal & (rank <= need))
+    # columns taken up to this one: those before, the keys above up to here, the equal ones up to
+    # the need-th
+    done = tl.minimum(equal_seen, need)
+    slot = taken + (both & 0xFFFF) + tl.minimum(rank, need) - done - 1
+    tl.store(out_row + slot, cols.to(out_row.dtype.element_ty), mask=take)
+    if KEYS_OUT:
+        tl.store(key_row + slot, key.to(tl.int32, bitcast=True), mask=take)
+    total = tl.sum(counts, axis=0)
+    seen = equal_seen + (total >> 16)
+    return taken + (total & 0xFFFF) + tl.minimum(seen, need) - done, seen
+
+
+@triton.jit
+def topk_kernel(
+    x_ptr, col_ptr, out_ptr, key_out_ptr, width, k, x_t, x_m, out_t,
+    BLOCK: tl.constexpr, KEYS_IN: tl.constexpr, KEYS_OUT: tl.constexpr,
+):
+    """A row of at most ``BLOCK`` columns, held in registers. With ``KEYS_IN`` the row is a
+    candidate list (32-bit keys at ``x_ptr``, their columns at ``col_ptr``, both ``[T, width]`` of
+    row stride ``x_t``) instead of float32 logits. With ``KEYS_OUT`` a program takes the
+    ``BLOCK``-column piece ``program_id(1)`` of its row and writes the columns and keys of the
+    piece's top ``min(k, its width)`` at ``piece * k`` of ``out_ptr`` / ``key_out_ptr`` (row stride
+    ``out_t``): a candidate list, in column order, for the next step."""
+    tl.static_assert(BLOCK < 65536)  # _topk_write's counts
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < width
+    if KEYS_IN:
+        key = tl.load(x_ptr + t * x_t + cols, mask=in_row, other=0).to(tl.uint32, bitcast=True)
+        index = tl.load(col_ptr + t * x_t + cols, mask=in_row, other=0)
+    else:
+        key = _topk_key(tl.load(x_ptr + t * x_t + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
+        index = cols
+    out_row = out_ptr + t * out_t
+    key_row = key_out_ptr + t * out_t
+    need = k
+    if KEYS_OUT:
+        out_row += tl.program_id(1) * k
+        key_row += tl.program_id(1) * k
+        need = tl.minimum(k, width - tl.program_id(1) * BLOCK)
+    # the need-th largest key: the row's smallest where fewer than `need` keys are above it (a
+    # row with fewer visible columns than `need`: the rest are all -inf); else a bit at a time
+    # from the top, the largest key that at least `need` keys reach (every real key is above 0,
+    # the key of the columns past the row), stopping early where exactly `need` keys reach it
+    # (~19 of the 32 steps for 4096 distinct values: those are the need largest, and the write
+    # below takes them all). Then how many of the keys equal to it are to take
+    key = tl.where(in_row, key, 0)
+    low = tl.min(tl.where(in_row, key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
+    few = tl.sum((key > low).to(tl.int32), axis=0) < need
+    prefix = tl.where(few, low, 0)
+    reach = tl.where(few, need, need + 1)  # keys at or above prefix where that ends the search
+    step = need * 0
+    while (step < 32) & (reach != need):
+        probe = prefix | (tl.full([], 1, tl.uint32) << (31 - step).to(tl.uint32))
+        count = tl.sum((key >= probe).to(tl.int32), axis=0)
+        prefix = tl.where(count >= need, probe, prefix)
+        reach = tl.where(count >= need, count, reach)
+        step += 1
+    need -= tl.sum((key > prefix).to(tl.int32), axis=0)
+    # every key above it, and the first `need` equal to it in column order; written in column order
+    _topk_write(out_row, key, index, in_row, prefix, need, 0, 0, key_row, KEYS_OUT)
+
+
+@triton.jit
+def topk_looped_kernel(
+    x_ptr, out_ptr, width, k, x_t, x_m, out_t,
+    CHUNK: tl.constexpr,
+):
+    """A row of any width, read ``CHUNK`` columns at a time: four histogram passes (one per byte
+    of the k-th largest key), then one pass that writes the selection in column order."""
+    tl.static_assert(CHUNK < 65536)  # _topk_write's counts
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * x_t
+    prefix = tl.zeros([], tl.uint32)
+    need = k
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        count = tl.zeros([256], tl.int32)
+        for c0 in range(0, width, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            in_row = cols < width
+            key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
+            candidate = in_row
+            if i > 0:  # the keys that share the bytes found so far
+                candidate = candidate & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            count += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=candidate)
+        prefix, need = _topk_digit(count, need, prefix, shift)
+    taken = 0  # columns written so far
+    equal_seen = 0  # keys equal to the k-th largest seen so far
+    for c0 in range(0, width, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        in_row = cols < width
+        key = _topk_key(tl.load(row + cols.to(tl.int64) * x_m, mask=in_row, other=0.0))
+        taken, equal_seen = _topk_write(
+            out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen, out_ptr, False
+        )
