@@ -212,13 +212,6 @@ def launcher_rows(sync) -> list[dict]:
     if not triton.__version__.startswith(triton_common.FAST_LAUNCH_TRITON):
         raise SystemExit(f"the fast launcher serves Triton {triton_common.FAST_LAUNCH_TRITON}, not {triton.__version__}")
 
-    def switched(fn, enabled):
-        def run():
-            for launcher in triton_common._LAUNCHERS.values():
-                launcher.enabled = enabled
-            return fn
-        return run
-
     rows = []
     none = {"decode": lambda *a: {}, "prefill": lambda *a: {}, "store": lambda *a: {}}
     with d4.use_provider("triton", ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "fused_k_norm_rope_flashmla")):
@@ -227,8 +220,9 @@ def launcher_rows(sync) -> list[dict]:
             samples = {"triton_launcher": [], "fast_launcher": []}
             for _ in range(15):
                 for name, enabled in (("triton_launcher", False), ("fast_launcher", True)):
-                    fn = switched(ours, enabled)()
-                    samples[name].append(host_us({name: fn}, sync, rounds=1)[name])
+                    for launcher in triton_common._LAUNCHERS.values():
+                        launcher.enabled = enabled
+                    samples[name].append(host_us({name: ours}, sync, rounds=1)[name])
             row = {"op": op, "size": size, **{f"{k}_us": statistics.median(v) for k, v in samples.items()}}
             row["ratio"] = row["fast_launcher_us"] / row["triton_launcher_us"]
             rows.append(row)

@@ -525,6 +525,18 @@ def fast_launch(monkeypatch):
     triton_common._LAUNCHERS.clear()
 
 
+@pytest.mark.parametrize("module, what", [("store", "store"), ("attention", "attention"), ("indexer", "indexer"),
+                                          ("rope", "rope")])
+def test_provider_unavailable_names_its_kernels(module, what):
+    """A Triton provider asked for a device type Triton does not serve says which of its kernels
+    and which device type."""
+    import importlib
+
+    provider = importlib.import_module(f"dsv4_compile.providers.triton.{module}")
+    with pytest.raises(dispatch.ProviderUnavailable, match=f"^no Triton {what} for device type 'cpu'$"):
+        provider.load(torch.device("cpu"))
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the launchers of interpreted kernels are Triton's")
 @pytest.mark.parametrize("env", [None, "0", "1"])
 def test_fast_launcher_only_when_opted_in(monkeypatch, env):

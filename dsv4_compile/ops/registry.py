@@ -84,10 +84,8 @@ class Op:
     run: Callable
 
     def arguments(self, args: tuple) -> tuple:
-        """``args`` as provider kernels receive them: the trailing defaults the dispatcher drops
-        restored, the cache formats resolved (:func:`dispatch.with_formats`)."""
-        args = tuple(args) + self.defaults[len(args):]
-        return dispatch.with_formats(args, self.formats) if self.formats else args
+        """``args`` as provider kernels receive them (:func:`_completed`)."""
+        return _completed(tuple(args), self.defaults, self.formats)
 
     def signature(self, args: tuple) -> tuple:
         """The call signature (``spec.call``) of a call with ``args`` (:meth:`arguments`)."""
@@ -141,12 +139,18 @@ def _no_fields(*args) -> tuple:
     return ()
 
 
+def _completed(args: tuple, defaults: tuple, formats: tuple[int, ...]) -> tuple:
+    """``args`` with the trailing defaults the dispatcher drops restored and the cache-format names
+    at ``formats`` resolved (:func:`dispatch.with_formats`): as the fake, the decomposition rules and
+    provider kernels take them (``dispatch.backend_kernel`` does the same inline)."""
+    args = args + defaults[len(args):]
+    return dispatch.with_formats(args, formats) if formats else args
+
+
 def _fake(check: Callable, outputs: Callable | None, positions: tuple[int, ...], defaults: tuple,
           formats: tuple[int, ...]) -> Callable:
     def fake(*args):
-        args = args + defaults[len(args):]  # the dispatcher drops trailing defaults
-        if formats:
-            args = dispatch.with_formats(args, formats)
+        args = _completed(args, defaults, formats)
         check(*args)
         if outputs is not None:
             return outputs(*(args[i] for i in positions))

@@ -187,9 +187,12 @@ def _block_h(config: Config, heads: int) -> int:
 # The kernels: plain @triton.jit functions in .kernels.attention, imported with Triton on first use.
 # --------------------------------------------------------------------------------------------
 
+KERNELS_MODULE = f"{__package__}.kernels.attention"
+
+
 def _kernels():
     """This provider's jitted kernels, :mod:`.kernels.attention` (imported with Triton on first use)."""
-    return triton_common.kernels(f"{__package__}.kernels.attention")
+    return triton_common.kernels(KERNELS_MODULE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +393,7 @@ def load(device: torch.device) -> dict:
     """Provider loader: ``{op: kernel}`` for decode, prefill and the (schedule-free) metadata, or
     :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why not (no Triton, no Triton
     backend for the device type, no such device, an NVIDIA GPU before SM80)."""
-    triton_common.require_device(_kernels().decode_kernel, device, f"{__package__}.kernels.attention")
+    triton_common.require_device(_kernels().decode_kernel, device, "attention")
     capability = _geometry_capability(device)
     if capability is not None and capability < MIN_CAPABILITY:
         raise dispatch.ProviderUnavailable(
@@ -430,5 +433,5 @@ for _op, _launch in ((DECODE, _decode_traced), (PREFILL, _prefill)):
     triton_common.decompose(_lib, _op, _launch, inlines)
 for _op, _names in ((DECODE, ("decode_kernel", "combine_kernel")), (PREFILL, ("prefill_kernel",))):
     triton_common.register_cache_key(
-        _op, triton_common.InlinedKernels(functools.partial(inlines, _op), _names, f"{__package__}.kernels.attention")
+        _op, triton_common.InlinedKernels(functools.partial(inlines, _op), _names, KERNELS_MODULE)
     )

@@ -76,9 +76,12 @@ def topk_warps(block: int) -> int:
 # The kernels: plain @triton.jit functions in .kernels.indexer, imported with Triton on first use.
 # --------------------------------------------------------------------------------------------
 
+KERNELS_MODULE = f"{__package__}.kernels.indexer"
+
+
 def _kernels():
     """This provider's jitted kernels, :mod:`.kernels.indexer` (imported with Triton on first use)."""
-    return triton_common.kernels(f"{__package__}.kernels.indexer")
+    return triton_common.kernels(KERNELS_MODULE)
 
 
 def geometry(dim: int, heads: int) -> tuple[int, int, int]:
@@ -230,7 +233,7 @@ def precision(device: torch.device) -> str:
 
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
-    triton_common.require_device(_kernels().logits_kernel, device, f"{__package__}.kernels.indexer")
+    triton_common.require_device(_kernels().logits_kernel, device, "indexer")
     return {OP: indexer_logits, TOPK: indexer_topk}
 
 

@@ -26,9 +26,12 @@ OP = "rope_"
 ROWS = 16
 NUM_WARPS = 4
 
+KERNELS_MODULE = f"{__package__}.kernels.rope"
+
+
 def _kernels():
     """This provider's jitted kernels, :mod:`.kernels.rope` (imported with Triton on first use)."""
-    return triton_common.kernels(f"{__package__}.kernels.rope")
+    return triton_common.kernels(KERNELS_MODULE)
 
 
 def rope_(x, freqs, positions, inverse=False):
@@ -48,7 +51,7 @@ def rope_(x, freqs, positions, inverse=False):
 
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
-    triton_common.require_device(_kernels().rope_kernel, device, f"{__package__}.kernels.rope")
+    triton_common.require_device(_kernels().rope_kernel, device, "rope")
     return {OP: rope_}
 
 

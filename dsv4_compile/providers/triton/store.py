@@ -59,9 +59,12 @@ SMALL_TOKENS = 1024
 # The kernels: plain @triton.jit functions in .kernels.store, imported with Triton on first use.
 # --------------------------------------------------------------------------------------------
 
+KERNELS_MODULE = f"{__package__}.kernels.store"
+
+
 def _kernels():
     """This provider's jitted kernels, :mod:`.kernels.store` (imported with Triton on first use)."""
-    return triton_common.kernels(f"{__package__}.kernels.store")
+    return triton_common.kernels(KERNELS_MODULE)
 
 
 def _launch(kernels, kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format, fused) -> None:
@@ -120,7 +123,7 @@ KERNELS = {OP: fused_k_norm_rope_flashmla, PLAIN: quantize_store}
 
 def load(device: torch.device) -> dict:
     """Provider loader: the kernels, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
-    triton_common.require_device(_kernels().store_kernel, device, f"{__package__}.kernels.store")
+    triton_common.require_device(_kernels().store_kernel, device, "store")
     return dict(KERNELS)
 
 
@@ -159,4 +162,4 @@ for _op, _arguments in ((OP, lambda *args: (*args, True)), (PLAIN, _plain_argume
         opaque=_symbolic_token_count,
     )
     triton_common.register_cache_key(_op, triton_common.InlinedKernels(
-        functools.partial(inlines, _op), ("store_kernel", "store_v41_kernel"), f"{__package__}.kernels.store"))
+        functools.partial(inlines, _op), ("store_kernel", "store_v41_kernel"), KERNELS_MODULE))
