@@ -166,6 +166,30 @@ class Checker:
             self.fail(arg, f"one of {list(layout.FORMATS)}", fmt)
         return fmt
 
+    def index_format(self, arg: str, fmt) -> layout.IndexFormat:
+        """One of ``layout.INDEX_FORMATS`` (the ops' trampolines have resolved a known name to it)."""
+        if type(fmt) is not layout.IndexFormat:
+            self.fail(arg, f"one of {list(layout.INDEX_FORMATS)}", fmt)
+        return fmt
+
+    def index_cache(self, arg: str, cache, page_size: int, fmt: layout.IndexFormat) -> None:
+        """An indexer key cache: uint8, 2-D, contiguous, at least one page, page stride ``>=
+        page_size * token_bytes`` and a multiple of ``layout.INDEX_ALIGN``."""
+        need = page_size * fmt.token_bytes
+        if (isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8 and cache.dim() == 2
+                and cache.is_contiguous() and cache.shape[0] >= 1 and cache.shape[1] >= need
+                and cache.shape[1] % layout.INDEX_ALIGN == 0):
+            return
+        self.fail(
+            arg,
+            f"a contiguous uint8 index cache [num_pages >= 1, page_stride] with page_stride >= "
+            f"page_size*{fmt.token_bytes}={need} ({fmt.name}) and a multiple of {layout.INDEX_ALIGN} "
+            f"(canonical: dsv4_compile.layout.alloc_index_cache)",
+            cache if not isinstance(cache, torch.Tensor) or cache.is_contiguous()
+            else f"{_describe(cache)} with strides {tuple(cache.stride())}",
+            TypeError if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 else ValueError,
+        )
+
     def cache(self, arg: str, cache, page_size: int, fmt: layout.CacheFormat = layout.V4) -> None:
         """The base cache tensor: uint8, 2-D, contiguous, page stride >= page_size * token bytes."""
         token = fmt.token_bytes

@@ -401,13 +401,13 @@ def provider_chain(device: torch.device | str | None = None) -> dict[str, list[t
 
 
 _Tensor = torch.Tensor
-_FORMATS = layout.FORMATS
+_FORMATS = {**layout.FORMATS, **layout.INDEX_FORMATS}  # distinct names
 
 
 def with_formats(args: tuple, positions: tuple[int, ...]) -> tuple:
     """``args`` with the cache-format names at ``positions`` replaced by their
-    ``layout.CacheFormat`` objects (``None``, and anything that names no format, kept as it is:
-    the metadata checks reject the latter, naming the argument)."""
+    ``layout.CacheFormat`` / ``layout.IndexFormat`` objects (``None``, and anything that names no
+    format, kept as it is: the metadata checks reject the latter, naming the argument)."""
     args = list(args)
     for i in positions:
         name = args[i]

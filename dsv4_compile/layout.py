@@ -344,3 +344,186 @@ def dequant_workspace(
     kv = gather_dequant(kvcache, page_size, slots, torch.bfloat16, kv_format)
     kv = torch.where((slots >= 0)[:, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     return kv.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------------------------
+# The lightning indexer's key cache (docs/design.md §2.11)
+# --------------------------------------------------------------------------------------------
+#
+# One ratio-4 layer's indexer keys, one 128-dim key per compressed block, paged as the c4 cache
+# (the same slots: ``page * P + offset`` with P compressed blocks a page). A base ``uint8``
+# ``[num_pages, page_stride]`` tensor; every format is block-split: a page holds the P data
+# records, then the P scale records (as SGLang's DSV4 pool pages them and DeepGEMM's paged MQA
+# logits read them)::
+#
+#     "fp32"  512 bytes a key: 128 float32 (little-endian); no scale. The exact option.
+#     "fp8"   132 bytes a key: [P*128 float8_e4m3fn codes | P*4 float32 scales], value = code * scale
+#     "fp4"    68 bytes a key: [P*64 e2m1 codes two per byte (element 2i in the low nibble)
+#                              | P*4 UE8M0 bytes, byte g the scale 2^(b-127) of elements 32g..32g+31]
+#
+# Canonical page stride ``P * token_bytes`` (no padding); every op accepts any stride
+# ``>= P * token_bytes`` that is a multiple of 4 (float32 records stay aligned).
+
+INDEX_HEAD_DIM = 128  # DSV4's indexer key width (index_head_dim)
+INDEX_SCALE_MIN = 1e-4  # amax floor of the quantized indexer formats (before the division)
+INDEX_ALIGN = 4  # index-cache page strides are multiples of it
+
+
+@dataclass(frozen=True, eq=False)
+class IndexFormat:
+    """One paged indexer-key format: a key's bytes and where they sit in a page (block-split).
+
+    ``values``: ``"fp32"``, ``"fp8"`` or ``"fp4"``; a key is ``data_bytes`` of values then
+    ``scale_bytes`` of scales, one scale per ``group`` values (``0``: none). ``rotated``: whether
+    the indexer rotates keys and queries by the normalised Hadamard transform (:func:`hadamard`)
+    before quantizing them (the quantized formats: the rotation spreads outlier channels over the
+    key, and keeps every dot product, so it changes only the rounding). One object per format
+    (:data:`INDEX_FORMATS`), compared by identity and shown as its name, as :class:`CacheFormat`.
+    """
+
+    name: str
+    values: str
+    data_bytes: int
+    scale_bytes: int
+    group: int
+    rotated: bool
+
+    @property
+    def token_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+    def __reduce__(self):
+        return indexer_format, (self.name,)
+
+    def page_bytes(self, page_size: int) -> int:
+        """Canonical page stride for ``page_size`` keys: ``page_size * token_bytes``."""
+        return page_size * self.token_bytes
+
+
+INDEX_FP32 = IndexFormat("fp32", "fp32", 4 * INDEX_HEAD_DIM, 0, 0, False)
+INDEX_FP8 = IndexFormat("fp8", "fp8", INDEX_HEAD_DIM, 4, INDEX_HEAD_DIM, True)
+INDEX_FP4 = IndexFormat("fp4", "fp4", INDEX_HEAD_DIM // 2, INDEX_HEAD_DIM // 32, 32, True)
+#: Every indexer-key format, by the name the ops take as ``index_format``.
+INDEX_FORMATS = {f.name: f for f in (INDEX_FP32, INDEX_FP8, INDEX_FP4)}
+
+
+def indexer_format(name: str | IndexFormat) -> IndexFormat:
+    """The :class:`IndexFormat` named ``name`` (one of :data:`INDEX_FORMATS`), or ``name`` itself
+    if it is one."""
+    if isinstance(name, IndexFormat):
+        return name
+    fmt = INDEX_FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"index_format must be one of {list(INDEX_FORMATS)}, got {name!r}")
+    return fmt
+
+
+def alloc_index_cache(
+    num_pages: int, page_size: int, index_format: str | IndexFormat = "fp8", device=None
+) -> torch.Tensor:
+    """One ratio-4 layer's indexer key cache: a zeroed ``uint8 [num_pages, page_size *
+    token_bytes]`` base tensor (``page_size``: compressed blocks a page, the c4 cache's)."""
+    fmt = indexer_format(index_format)
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    return torch.zeros(num_pages, fmt.page_bytes(page_size), dtype=torch.uint8, device=device)
+
+
+def index_records(cache: torch.Tensor, page_size: int, index_format: str | IndexFormat):
+    """``(data, scales)``: views ``uint8 [num_pages, P, data_bytes]`` and ``[num_pages, P,
+    scale_bytes]`` of an indexer key cache (``scales`` has width 0 for ``"fp32"``)."""
+    fmt = indexer_format(index_format)
+    data_end = page_size * fmt.data_bytes
+    data = cache[:, :data_end].unflatten(1, (page_size, fmt.data_bytes))
+    scales = cache[:, data_end : data_end + page_size * fmt.scale_bytes].unflatten(1, (page_size, fmt.scale_bytes))
+    return data, scales
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The normalised Walsh-Hadamard transform of the last dim of float32 ``x [..., 128]``:
+    ``x @ H / sqrt(128)`` with Sylvester's ``H[i, j] = (-1)^popcount(i & j)`` (symmetric, its own
+    inverse). Seven butterfly stages (``(a, b) -> (a + b, a - b)`` over index bits 0..6, in that
+    order), then the scale: float32 additions, each rounded once, so the same bits on every
+    device and under ``torch.compile``."""
+    shape = x.shape
+    for bit in range(7):
+        pairs = x.reshape(-1, INDEX_HEAD_DIM >> (bit + 1), 2, 1 << bit)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        x = torch.stack([a + b, a - b], dim=2)
+    return x.reshape(shape) * INDEX_HEAD_DIM**-0.5
+
+
+def _pow2_float(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` (float32, exact) of int32 ``e`` in [-126, 127]."""
+    return ((e + UE8M0_BIAS).to(torch.int32) << 23).view(torch.float32)
+
+
+def quantize_index(x: torch.Tensor, index_format: str | IndexFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(codes, scales)`` of float32 ``x [..., 128]`` in ``index_format`` (indexer keys, or
+    queries per (token, head)); a vector with a non-finite value quantizes to NaN (every value of
+    it dequantizes to NaN).
+
+    * ``"fp32"``: ``(x, None)``.
+    * ``"fp8"``: ``scale = max(amax, 1e-4) / 448`` (float32), ``codes = e4m3(clamp(x * (1 /
+      scale), +-448))`` rounded to nearest even: ``float8_e4m3fn [..., 128]`` and float32
+      ``[...]`` (NaN for a non-finite vector).
+    * ``"fp4"``: per group of 32 values, ``e = ceil(log2(max(amax, 1e-4) / 6))`` and the e2m1 codes
+      of ``x * 2^-e``, nearest, ties toward zero (0, 0.5, 1, 1.5, 2, 3, 4, 6; ``-0`` as ``+0``),
+      element ``2i`` in the low nibble: ``uint8 [..., 64]`` and the UE8M0 bytes ``e + 127``,
+      ``uint8 [..., 4]`` (a non-finite vector: codes 0, bytes 255).
+
+    Plain traceable PyTorch; the stores' providers write the same bits."""
+    fmt = indexer_format(index_format)
+    if fmt.values == "fp32":
+        return x, None
+    finite = torch.isfinite(x).all(-1)
+    if fmt.values == "fp8":
+        amax = x.abs().amax(-1).clamp_min(INDEX_SCALE_MIN)
+        scale = torch.where(finite, amax / FP8_MAX, float("nan"))
+        codes = (x * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return codes, scale
+    groups = x.unflatten(-1, (INDEX_HEAD_DIM // 32, 32))
+    bound = (groups.abs().amax(-1).clamp_min(INDEX_SCALE_MIN) / FP4_MAX).nan_to_num(nan=1.0, posinf=1.0)
+    bits = bound.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - UE8M0_BIAS + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2)
+    a = (groups * _pow2_float(-e)[..., None]).abs()
+    code = (
+        (a > 0.25).to(torch.uint8) + (a > 0.75) + (a > 1.25) + (a > 1.75) + (a > 2.5) + (a > 3.5) + (a > 5.0)
+    )
+    code = code | (((groups < 0) & (code > 0)).to(torch.uint8) << 3)
+    code = torch.where(finite[..., None, None], code, 0).flatten(-2)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    exponent = torch.where(finite[..., None], e + UE8M0_BIAS, 255).to(torch.uint8)
+    return packed, exponent
+
+
+def dequant_index(codes: torch.Tensor, scales: torch.Tensor | None, index_format: str | IndexFormat) -> torch.Tensor:
+    """float32 ``[..., 128]`` values of :func:`quantize_index`'s ``(codes, scales)`` (or of the
+    records read back from a cache: for ``"fp32"`` the 512 bytes, for ``"fp8"`` the 4 scale bytes
+    may be given as ``uint8``; ``"fp8"`` codes without scales: the codes' values, as queries whose
+    scale the head weights carry). Exact."""
+    fmt = indexer_format(index_format)
+    if fmt.values == "fp32":
+        return codes.contiguous().view(torch.float32) if codes.dtype == torch.uint8 else codes
+    if fmt.values == "fp8":
+        if scales is None:  # queries whose scale the head weights carry
+            return _e4m3(codes.view(torch.uint8))
+        if scales.dtype == torch.uint8:
+            scales = scales.contiguous().view(torch.float32)[..., 0]
+        return _e4m3(codes.view(torch.uint8)) * scales[..., None]
+    values = torch.stack([_e2m1(codes & 0xF), _e2m1(codes >> 4)], dim=-1).flatten(-2)
+    groups = values.unflatten(-1, (INDEX_HEAD_DIM // 32, 32)) * _ue8m0_to_float(scales)[..., None]
+    return groups.flatten(-2)
+
+
+def gather_index_keys(cache: torch.Tensor, page_size: int, slots: torch.Tensor, index_format) -> torch.Tensor:
+    """float32 ``[*S, 128]`` keys at ``slots`` (any shape ``S``, ``>= 0``) of an indexer key cache,
+    dequantized (:func:`dequant_index`)."""
+    page, offset = page_and_offset(slots.reshape(-1), page_size)
+    data, scales = index_records(cache, page_size, index_format)
+    return dequant_index(data[page, offset], scales[page, offset], index_format).view(*slots.shape, INDEX_HEAD_DIM)

@@ -75,6 +75,8 @@ def test_provider_choice(provider):
         "get_mla_metadata_stacked": provider,
         "indexer_logits": "reference",  # FlashMLA has none; the Triton one registers separately
         "indexer_topk": "reference",
+        "indexer_store": "reference",
+        "indexer_cache_logits": "reference",
         "rope_": "reference",  # the Triton one registers separately
     }
 

@@ -143,6 +143,48 @@ def test_indexer_logits(case):
     torch.library.opcheck(torch.ops.dsv4.indexer_logits.default, indexer_sample(*INDEXER_CASES[case]))
 
 
+#: (format, keys / query rows, heads, width, int dtype): each format; no key and no row; no column
+INDEX_CACHE_CASES = {
+    f"{name}-N{n}-H{h}-M{m}-{str(dtype).removeprefix('torch.')}": (name, n, h, m, dtype)
+    for name, n, h, m, dtype in [
+        ("fp32", 5, 4, 12, torch.int64), ("fp8", 7, 64, 40, torch.int32), ("fp4", 3, 5, 9, torch.int64),
+        ("fp8", 0, 4, 6, torch.int64), ("fp4", 2, 4, 0, torch.int32),
+    ]
+}
+
+
+def index_cache_sample(name, count, heads, width, dtype):
+    """Store and logits arguments: keys at distinct slots (a skipped one) of a cache whose every
+    slot holds a key, queries quantized."""
+    page_size = 8
+    cache = d4.layout.alloc_index_cache(3, page_size, name)
+    d4.indexer_store(torch.randn(3 * page_size, 128), cache, torch.arange(3 * page_size), page_size, name)
+    slots = torch.randperm(3 * page_size)[:count].to(dtype)
+    if count:
+        slots[0] = -1
+    codes, scales = d4.layout.quantize_index(torch.randn(count, heads, 128), name)
+    weights = torch.randn(count, heads)
+    if name == "fp8":
+        weights, scales = weights * scales, None
+    block_slots = torch.randint(-1, 3 * page_size, (count, width), dtype=dtype)
+    store = (torch.randn(count, 128), cache, slots, page_size, name)
+    return store, (codes, weights, cache, block_slots, page_size, name, scales)
+
+
+@pytest.mark.parametrize("case", list(INDEX_CACHE_CASES))
+def test_indexer_store(case):
+    torch.library.opcheck(torch.ops.dsv4.indexer_store.default, index_cache_sample(*INDEX_CACHE_CASES[case])[0])
+
+
+@pytest.mark.parametrize("case", list(INDEX_CACHE_CASES))
+def test_indexer_cache_logits(case):
+    args = index_cache_sample(*INDEX_CACHE_CASES[case])[1]
+    # opcheck's schema test compares the inputs before and after with torch.allclose, which has no
+    # float8 kernel on CPU: the fp8 cases skip it (the fp32 and fp4 cases run it on this op)
+    utils = [u for u in torch.library._OPCHECK_DEFAULT_UTILS if not (u == "test_schema" and args[5] == "fp8")]
+    torch.library.opcheck(torch.ops.dsv4.indexer_cache_logits.default, args, test_utils=utils)
+
+
 #: (rows, width, k): DSV4's selection; k = width; empty rows; k = 0
 TOPK_CASES = {f"T{t}-M{m}-k{k}": (t, m, k) for t, m, k in [(3, 1024, 512), (4, 37, 37), (0, 8, 3), (2, 8, 0)]}
 
@@ -172,5 +214,5 @@ def test_rope_(case):
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
     sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, METADATA_STACKED_CASES, INDEXER_CASES,
-            TOPK_CASES, ROPE_CASES)
-    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4, 4, 3]
+            TOPK_CASES, ROPE_CASES, INDEX_CACHE_CASES)
+    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4, 4, 3, 5]

@@ -59,18 +59,31 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::indexer_topk(Tensor logits, int k) -> Tensor""",
         )
 
+    def test_indexer_store(self):
+        self.assertExpectedInline(
+            schema("indexer_store"),
+            """dsv4::indexer_store(Tensor keys, Tensor(a!) index_cache, Tensor slots, int page_size, str index_format="fp8") -> ()""",
+        )
+
+    def test_indexer_cache_logits(self):
+        self.assertExpectedInline(
+            schema("indexer_cache_logits"),
+            """dsv4::indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, int page_size, str index_format="fp8", Tensor? q_scales=None) -> Tensor""",
+        )
+
     def test_rope_(self):
         self.assertExpectedInline(
             schema("rope_"),
             """dsv4::rope_(Tensor(a!) x, Tensor freqs, Tensor positions, bool inverse=False) -> ()""",
         )
 
-    def test_only_the_cache_and_the_rotated_tensor_are_mutable(self):
+    def test_only_the_caches_and_the_rotated_tensor_are_mutable(self):
         for name in dsv4_compile.dispatch.OPS:
             args = getattr(torch.ops.dsv4, name).default._schema.arguments
             written = [a.name for a in args if a.alias_info is not None and a.alias_info.is_write]
             stores = ("fused_k_norm_rope_flashmla", "quantize_store")
-            expected = ["kvcache"] if name in stores else ["x"] if name == "rope_" else []
+            expected = (["kvcache"] if name in stores else ["x"] if name == "rope_"
+                        else ["index_cache"] if name == "indexer_store" else [])
             self.assertEqual(written, expected)
 
     def test_no_composite_implicit_kernel(self):

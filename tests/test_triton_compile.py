@@ -86,6 +86,15 @@ def calls():
     for dim in (128, 200):  # the wide geometry past 128
         slots = torch.randint(-1, 9, (3, 70), generator=g)
         yield triton_indexer.indexer_logits, (torch.randn(3, 64, dim), torch.randn(3, 64), torch.randn(9, dim), slots)
+    for name in ("fp32", "fp8", "fp4"):  # the paged indexer key cache's store and logits
+        fmt = layout.INDEX_FORMATS[name]
+        cache = layout.alloc_index_cache(3, 8, name)
+        slots = torch.randint(-1, 24, (5,), generator=g)
+        yield triton_indexer.indexer_store, (torch.randn(5, 128), cache, slots, 8, fmt)
+        codes, scales = layout.quantize_index(torch.randn(3, 64, 128), name)
+        block_slots = torch.randint(-1, 24, (3, 70), generator=g)
+        yield triton_indexer.indexer_cache_logits, (codes, torch.randn(3, 64), cache, block_slots, 8, fmt,
+                                                    scales if name == "fp4" else None)
     # 4 and 8 warps in registers; by pieces (one step from the logits, then one from keys to
     # keys, then the last); a k past a quarter of a piece: the widest rows in registers, then the
     # looped program
@@ -128,7 +137,8 @@ def test_every_kernel_compiles(capability, request):
             prefill_shared = max(prefill_shared, shared)
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"store_kernel", "store_v41_kernel", "decode_kernel", "combine_kernel", "prefill_kernel",
-                "schedule_kernel", "logits_kernel", "topk_kernel", "topk_looped_kernel", "rope_kernel"}
+                "schedule_kernel", "logits_kernel", "topk_kernel", "topk_looped_kernel", "rope_kernel",
+                "index_store_kernel", "cache_logits_kernel"}
     assert set(compiled) == expected, compiled
     # the figure prefill_config's rule reads (the launches above: 64 heads, 512- and 576-dim queries)
     assert prefill_shared == prefill.shared_bytes, (prefill, prefill_shared)

@@ -1,14 +1,17 @@
-"""The lightning indexer (docs/design.md §2.8, §2.9): ``dsv4::indexer_logits`` (block logits) and
-``dsv4::indexer_topk`` (the selection)."""
+"""The lightning indexer (docs/design.md §2.8, §2.9, §2.11): ``dsv4::indexer_logits`` (block
+logits over a float32 key buffer), ``dsv4::indexer_topk`` (the selection), ``dsv4::indexer_store``
+(keys into a paged indexer key cache, quantized) and ``dsv4::indexer_cache_logits`` (block logits
+over that cache)."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import layout
 from ..checks import F32, INDEX_DTYPES, Checker
 from .registry import OpSpec, define
 
-__all__ = ["indexer_logits", "indexer_topk"]  # the public wrappers (re-exported by the package)
+__all__ = ["indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits"]  # the public wrappers (re-exported by the package)
 
 #: Widest indexer key accepted (``keys`` last dim): a whole key is one tile of the Triton kernel.
 #: DSV4's is 128.
@@ -20,8 +23,8 @@ MAX_INDEX_HEAD_DIM = 512
 
 
 def indexer_logits_output(q: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
-    """Empty ``logits [T, M]`` fp32 (contiguous) on ``q.device``."""
-    return q.new_empty(q.shape[0], block_slots.shape[1])
+    """Empty ``logits [T, M]`` fp32 (contiguous) on ``q.device`` (whatever ``q``'s dtype)."""
+    return q.new_empty(q.shape[0], block_slots.shape[1], dtype=torch.float32)
 
 
 _INDEXER = Checker("indexer_logits")
@@ -119,3 +122,137 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
         k: ``0 <= k <= M`` columns per row.
     """
     return _INDEXER_TOPK_OP.run(logits, k)
+
+
+# --------------------------------------------------------------------------------------------
+# dsv4::indexer_store
+# --------------------------------------------------------------------------------------------
+
+_INDEX_STORE = Checker("indexer_store")
+_INDEX_STORE_TENSORS = ("keys", "index_cache", "slots")
+
+
+def check_indexer_store(keys, index_cache, slots, page_size, index_format="fp8") -> int:
+    c = _INDEX_STORE
+    c.same_device(_INDEX_STORE_TENSORS, keys, index_cache, slots)
+    fmt = c.index_format("index_format", index_format)
+    count = c.tensor("keys", keys, F32, (None, layout.INDEX_HEAD_DIM))[0]
+    if keys.stride(1) != 1:
+        c.fail("keys", "last-dim contiguous (stride(1) == 1)", f"strides {tuple(keys.stride())}")
+    c.tensor("slots", slots, INDEX_DTYPES, (count,))
+    c.index_cache("index_cache", index_cache, c.positive_int("page_size", page_size), fmt)
+    return count
+
+
+def check_indexer_store_data(keys, index_cache, slots, page_size, index_format="fp8") -> None:
+    _INDEX_STORE.slots_valid("slots", slots, layout.capacity(index_cache, page_size), holes="negative")
+
+
+_INDEX_STORE_OP = define(OpSpec(
+    schema=(
+        "indexer_store(Tensor keys, Tensor(a!) index_cache, Tensor slots, int page_size, "
+        "str index_format=\"fp8\") -> ()"
+    ),
+    check=check_indexer_store,
+    check_data=check_indexer_store_data,
+    float_inputs=("keys",),
+    formats=("index_format",),
+))
+
+
+def indexer_store(
+    keys: torch.Tensor,
+    index_cache: torch.Tensor,
+    slots: torch.Tensor,
+    page_size: int,
+    index_format: str = "fp8",
+) -> None:
+    """Quantize indexer keys into a paged indexer key cache (docs/design.md §2.11).
+
+    Args:
+        keys: ``[N, 128]`` float32 keys as the indexer scores them (for ``"fp8"`` / ``"fp4"``
+            already rotated by :func:`dsv4_compile.layout.hadamard`, as the queries must be).
+        index_cache: the uint8 base cache (:func:`dsv4_compile.layout.alloc_index_cache`), written
+            in place.
+        slots: ``[N]`` int32/int64 slots ``page * page_size + offset``; below 0: skipped.
+        page_size: keys per page of ``index_cache``.
+        index_format: ``"fp8"`` (default), ``"fp4"`` or ``"fp32"`` (``layout.INDEX_FORMATS``); the
+            bytes are those of :func:`dsv4_compile.layout.quantize_index`.
+    """
+    _INDEX_STORE_OP.run(keys, index_cache, slots, page_size, index_format)
+
+
+# --------------------------------------------------------------------------------------------
+# dsv4::indexer_cache_logits
+# --------------------------------------------------------------------------------------------
+
+_CACHE_LOGITS = Checker("indexer_cache_logits")
+_CACHE_LOGITS_TENSORS = ("q", "weights", "index_cache", "block_slots", "q_scales")
+#: What ``q`` (and ``q_scales``) hold per format: :func:`layout.quantize_index`'s codes (and scales).
+_QUERY_DTYPES = {"fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp4": torch.uint8}
+
+
+def check_indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format="fp8",
+                               q_scales=None) -> tuple[int, int, int]:
+    c = _CACHE_LOGITS
+    c.same_device(_CACHE_LOGITS_TENSORS, q, weights, index_cache, block_slots, q_scales)
+    fmt = c.index_format("index_format", index_format)
+    packed = fmt.data_bytes if fmt.values == "fp4" else layout.INDEX_HEAD_DIM
+    tokens, heads, _ = c.tensor("q", q, (_QUERY_DTYPES[fmt.values],), (None, None, packed))
+    if fmt.values == "fp4":
+        c.tensor("q_scales", q_scales, (torch.uint8,), (tokens, heads, fmt.scale_bytes))
+    elif q_scales is not None:
+        c.fail("q_scales", f"None with index_format {fmt.name!r} (only 'fp4' queries carry scales; "
+               "fold an fp8 query's scale into weights)", q_scales)
+    c.tensor("weights", weights, F32, (tokens, heads))
+    c.index_cache("index_cache", index_cache, c.positive_int("page_size", page_size), fmt)
+    width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, INDEX_DTYPES, (tokens, None)))
+    return tokens, heads, width
+
+
+def check_indexer_cache_logits_data(q, weights, index_cache, block_slots, page_size, index_format="fp8",
+                                    q_scales=None) -> None:
+    _CACHE_LOGITS.slots_valid("block_slots", block_slots, layout.capacity(index_cache, page_size))
+
+
+_CACHE_LOGITS_OP = define(OpSpec(
+    schema=(
+        "indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, "
+        "int page_size, str index_format=\"fp8\", Tensor? q_scales=None) -> Tensor"
+    ),
+    check=check_indexer_cache_logits,
+    check_data=check_indexer_cache_logits_data,
+    outputs=indexer_logits_output,
+    float_inputs=("q", "weights"),
+    formats=("index_format",),
+))
+
+
+def indexer_cache_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_slots: torch.Tensor,
+    page_size: int,
+    index_format: str = "fp8",
+    q_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The lightning indexer's block logits over a paged indexer key cache (docs/design.md
+    §2.11): ``logits [T, M]`` float32 with ``logits[t, k] = sum_h weights[t, h] * relu(<q̂[t, h],
+    k̂[block_slots[t, k]]>)`` where ``block_slots[t, k] >= 0`` and ``-inf`` where it is ``-1``;
+    ``q̂`` / ``k̂`` the dequantized queries and keys.
+
+    Args:
+        q: the queries' codes, :func:`dsv4_compile.layout.quantize_index` of the (rotated, for
+            ``"fp8"`` / ``"fp4"``) float32 queries: ``[T, H, 128]`` float32 (``"fp32"``),
+            ``[T, H, 128]`` float8_e4m3fn (``"fp8"``), ``[T, H, 64]`` uint8 (``"fp4"``).
+        weights: ``[T, H]`` float32 head weights; with ``"fp8"`` times the queries' scales.
+        index_cache: the cache :func:`indexer_store` wrote.
+        block_slots: ``[T, M]`` int32/int64 slot of each query's ``k``-th block, or ``-1``.
+        page_size: keys per page of ``index_cache``.
+        index_format: the cache's format (``layout.INDEX_FORMATS``).
+        q_scales: ``"fp4"`` only: the queries' UE8M0 bytes ``[T, H, 4]`` uint8.
+
+    Only the referenced keys are read; a query's cost follows its visible blocks.
+    """
+    return _CACHE_LOGITS_OP.run(q, weights, index_cache, block_slots, page_size, index_format, q_scales)

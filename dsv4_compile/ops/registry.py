@@ -63,9 +63,9 @@ class OpSpec:
     call: type = NoCall
     #: the fields of ``call``, a plain tuple, from the op's arguments (``None``: ``call`` has none)
     call_fields: Callable | None = None
-    #: the ``str`` arguments that name a cache format (``layout.FORMATS``): from the kernels'
-    #: trampoline on (the checks, the call signature, the provider kernels) they are the
-    #: ``layout.CacheFormat`` objects (``None`` stays ``None``)
+    #: the ``str`` arguments that name a cache format (``layout.FORMATS``, ``layout.INDEX_FORMATS``):
+    #: from the kernels' trampoline on (the checks, the call signature, the provider kernels) they
+    #: are the ``layout.CacheFormat`` / ``layout.IndexFormat`` objects (``None`` stays ``None``)
     formats: tuple[str, ...] = ()
 
 

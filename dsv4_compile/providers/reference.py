@@ -343,17 +343,29 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 def indexer_logits(q, weights, keys, block_slots):
     """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], keys[slot]>)``, ``-inf`` where the slot is
-    ``-1``: in blocks of rows and columns whose gathered keys and scores (float32, two buffers
-    allocated once and reused, so the peak does not depend on the allocator's reuse of freed
-    blocks) fit in :data:`CHUNK_BYTES`."""
+    ``-1`` (:func:`_block_logits`)."""
+    if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
+        return indexer_logits_output(q, block_slots).fill_(float("-inf"))
+
+    def gather(slots, out):
+        torch.index_select(keys, 0, slots, out=out)
+
+    return _block_logits(q, weights, block_slots, gather, 0)
+
+
+def _block_logits(q, weights, block_slots, gather, key_bytes: int):
+    """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], key(slot)>)``, ``-inf`` where the slot is
+    ``-1``, float32, ``gather(slots, out)`` writing the float32 keys of ``slots >= 0`` into ``out``
+    (``key_bytes``: the temporaries it holds per key): in blocks of rows and columns whose gathered
+    keys and scores (two buffers allocated once and reused, so the peak does not depend on the
+    allocator's reuse of freed blocks) fit in :data:`CHUNK_BYTES`."""
     tokens, heads, dim = q.shape
     width = block_slots.shape[1]
     logits = indexer_logits_output(q, block_slots)
     if tokens == 0 or width == 0:
         return logits
-    if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
-        return logits.fill_(float("-inf"))
-    per_entry = 4 * (dim + heads) + 24  # a gathered key and a score per head (float32); slot, mask, sum
+    # a gathered key and a score per head (float32); slot, mask, sum; the gather's temporaries
+    per_entry = 4 * (dim + heads) + 24 + key_bytes
     cols = max(1, min(width, CHUNK_BYTES // per_entry))
     rows = max(1, min(tokens, CHUNK_BYTES // (per_entry * cols)))
     gathered, scores = q.new_empty(rows * cols * dim), q.new_empty(rows * heads * cols)
@@ -363,11 +375,50 @@ def indexer_logits(q, weights, keys, block_slots):
             slots = block_slots[t : t + rows, k : k + cols]
             n, c = slots.shape
             keys_nc = gathered[: n * c * dim].view(n, c, dim)
-            torch.index_select(keys, 0, slots.clamp_min(0).flatten(), out=keys_nc.view(n * c, dim))
+            gather(slots.clamp_min(0).flatten(), keys_nc.view(n * c, dim))
             s = torch.bmm(qt, keys_nc.transpose(1, 2), out=scores[: n * heads * c].view(n, heads, c))
             block = s.relu_().mul_(wt).sum(1)  # [n, c]
             logits[t : t + rows, k : k + c] = block.masked_fill_(slots < 0, float("-inf"))
     return logits
+
+
+# --------------------------------------------------------------------------------------------
+# indexer_store, indexer_cache_logits (the paged indexer key cache)
+# --------------------------------------------------------------------------------------------
+
+#: Bytes of temporaries per key while the indexer store quantizes it, or a logits step gathers and
+#: dequantizes it (records, codes, float32 values and their intermediates; generous).
+INDEX_KEY_BYTES = 32 * layout.INDEX_HEAD_DIM
+
+
+def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX_FP8):
+    """The bytes of :func:`layout.quantize_index` of each key at its slot (negative: skipped), in
+    blocks of keys whose temporaries fit in :data:`CHUNK_BYTES`."""
+    fmt = index_format
+    data, scales = layout.index_records(index_cache, page_size, fmt)
+    step = max(1, CHUNK_BYTES // INDEX_KEY_BYTES)
+    for start in range(0, keys.shape[0], step):
+        at = slots[start : start + step]
+        keep = (at >= 0).nonzero().flatten()
+        if keep.numel() == 0:
+            continue
+        codes, scale = layout.quantize_index(keys[start : start + step][keep], fmt)
+        page, offset = layout.page_and_offset(at[keep], page_size)
+        data[page, offset] = codes.contiguous().view(torch.uint8).view(-1, fmt.data_bytes)
+        if scale is not None:
+            scales[page, offset] = scale.contiguous().view(torch.uint8).view(-1, fmt.scale_bytes)
+
+
+def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format=layout.INDEX_FP8,
+                         q_scales=None):
+    """:func:`_block_logits` of the dequantized queries against the dequantized keys
+    (:func:`layout.dequant_index`: exact; then float32 products and sums)."""
+    queries = layout.dequant_index(q, q_scales, index_format)
+
+    def gather(slots, out):
+        out.copy_(layout.gather_index_keys(index_cache, page_size, slots, index_format))
+
+    return _block_logits(queries, weights, block_slots, gather, INDEX_KEY_BYTES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,6 +478,8 @@ KERNELS = {
     "get_mla_metadata_stacked": get_mla_metadata_stacked,
     "indexer_logits": indexer_logits,
     "indexer_topk": indexer_topk,
+    "indexer_store": indexer_store,
+    "indexer_cache_logits": indexer_cache_logits,
     "rope_": rope_,
 }
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import torch
 
-from ... import dispatch
+from ... import dispatch, layout
 from ...ops.indexer import indexer_logits_output, indexer_topk_output
 from . import common as triton_common
 
-OP, TOPK = "indexer_logits", "indexer_topk"
+OP, TOPK, STORE, CACHE = "indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits"
 NAME = "triton"
 #: Launch geometry (a rule, from a sweep on the H200: benchmarks/history/RESULTS-notebook.md):
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
@@ -223,6 +223,59 @@ def _launch_split(logits, k, out, chunk, num_warps) -> None:
     _launch_in_registers(x, col, out, width, k, x_t, x_m, keys_in, num_warps)
 
 
+# --------------------------------------------------------------------------------------------
+# The paged indexer key cache
+# --------------------------------------------------------------------------------------------
+
+#: The kernels' ``FORMAT`` constexpr per index format (``kernels.indexer.FP32`` / ``FP8`` / ``FP4``).
+FORMAT_IDS = {"fp32": 0, "fp8": 1, "fp4": 2}
+#: Keys per program of the store (one 128-value row a key); 4 warps.
+STORE_BLOCK_T, STORE_WARPS = 16, 4
+#: The cache logits kernel's geometry: ``BLOCK_N`` blocks a program, ``BLOCK_H`` heads a ``tl.dot``.
+CACHE_BLOCK_N, CACHE_BLOCK_H = 64, 32
+
+
+def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX_FP8):
+    """``dsv4::indexer_store`` (eager) on validated arguments: one launch (none for no keys)."""
+    count = keys.shape[0]
+    if count == 0:
+        return
+    kernel = _kernels().index_store_kernel
+    with triton_common.device_guard(keys.device):
+        triton_common.eager(kernel)[(-(-count // STORE_BLOCK_T),)](
+            keys, index_cache, slots, count, page_size, index_cache.stride(0), keys.stride(0),
+            FORMAT=FORMAT_IDS[index_format.values], BLOCK_T=STORE_BLOCK_T,
+            HW=triton_common.hardware_conversions(keys.device, kernel), num_warps=STORE_WARPS,
+        )
+
+
+def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format=layout.INDEX_FP8,
+                         q_scales=None):
+    """``dsv4::indexer_cache_logits`` (eager) on validated arguments: one launch, no host sync."""
+    logits = indexer_logits_output(q, block_slots)
+    tokens, heads = q.shape[:2]
+    width = block_slots.shape[1]
+    if tokens == 0 or width == 0:
+        return logits
+    kernel = _kernels().cache_logits_kernel
+    column_blocks = -(-width // CACHE_BLOCK_N)
+    programs = programs_per_row(q.device, tokens, column_blocks)
+    codes = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+    scales = codes if q_scales is None else q_scales  # not read without fp4
+    qs, ss, ws, bs = codes.stride(), scales.stride(), weights.stride(), block_slots.stride()
+    block_h = min(CACHE_BLOCK_H, max(16, triton_common.next_power_of_2(heads)))
+    with triton_common.device_guard(q.device):
+        triton_common.eager(kernel)[(tokens, programs)](
+            codes, scales, weights, index_cache, block_slots, logits,
+            heads, width, page_size, index_cache.stride(0),
+            qs[0], qs[1], ss[0], ss[1], ws[0], ws[1], bs[0], bs[1], logits.stride()[0],
+            FORMAT=FORMAT_IDS[index_format.values], BLOCK_N=CACHE_BLOCK_N, BLOCK_H=block_h,
+            PRECISION=precision(q.device), HW=triton_common.hardware_conversions(q.device, kernel),
+            num_warps=NUM_WARPS,
+        )
+    return logits
+
+
 def precision(device: torch.device) -> str:
     """The ``tl.dot`` precision of float32 scores on ``device``: ``"tf32x3"`` on NVIDIA GPUs of
     compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
@@ -234,14 +287,14 @@ def precision(device: torch.device) -> str:
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
     triton_common.require_device(_kernels().logits_kernel, device, "indexer")
-    return {OP: indexer_logits, TOPK: indexer_topk}
+    return {OP: indexer_logits, TOPK: indexer_topk, STORE: indexer_store, CACHE: indexer_cache_logits}
 
 
 def register() -> None:
     """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
-            NAME, device_type, load, ops=(OP, TOPK), fallback=True,
+            NAME, device_type, load, ops=(OP, TOPK, STORE, CACHE), fallback=True,
         ))
 
 

@@ -1,9 +1,20 @@
-"""The lightning indexer's Triton kernels: block logits and top-k. :mod:`..indexer` launches them
-and documents what they compute; importing this module imports Triton (the provider imports it on
-first use)."""
+"""The lightning indexer's Triton kernels: block logits, top-k, and the paged indexer key cache's
+store and block logits. :mod:`..indexer` launches them and documents what they compute; importing
+this module imports Triton (the provider imports it on first use)."""
 
 import triton
 import triton.language as tl
+
+from .... import layout
+from .attention import _e2m1_values, _e4m3_values
+from .store import _nan_or_fp8
+
+#: Triton reads module globals in a kernel as constexprs only.
+_DIM = tl.constexpr(layout.INDEX_HEAD_DIM)
+_FP8_MAX, _FP4_MAX = tl.constexpr(layout.FP8_MAX), tl.constexpr(layout.FP4_MAX)
+_SCALE_MIN = tl.constexpr(layout.INDEX_SCALE_MIN)
+#: the ``FORMAT`` constexpr of the paged-cache kernels: layout.INDEX_FORMATS' "fp32", "fp8", "fp4"
+FP32, FP8, FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -175,3 +186,152 @@ def topk_looped_kernel(
         taken, equal_seen = _topk_write(
             out_ptr + t * out_t, key, cols, in_row, prefix, need, taken, equal_seen, out_ptr, False
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The paged indexer key cache (layout.IndexFormat): store and block logits
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp4_values(byte, e):
+    """``[R, 128]`` float32 values times ``2^-14`` (exact) of FP4 vectors: ``byte [R, 64]`` e2m1
+    codes two per byte (element ``2i`` in the low nibble), ``e [R, 4]`` their UE8M0 bytes (one per
+    32 values; 255: NaN for code 0, as the store writes a non-finite vector)."""
+    code = byte.to(tl.int32)
+    pairs = tl.join(_e2m1_values(code & 15), _e2m1_values(code >> 4))  # [R, 64, 2]
+    groups = tl.reshape(pairs, (byte.shape[0], 4, 32))
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); 255: inf
+    return tl.reshape(groups * scale[:, :, None], (byte.shape[0], _DIM))
+
+
+@triton.jit
+def index_store_kernel(
+    keys_ptr, cache_ptr, slots_ptr, count, page_size, page_stride, k_t,
+    FORMAT: tl.constexpr, BLOCK_T: tl.constexpr, HW: tl.constexpr,
+):
+    """``BLOCK_T`` keys a program: quantized as ``layout.quantize_index`` and written at their
+    slots (negative: skipped)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slots_ptr + t, mask=t < count, other=-1).to(tl.int64)
+    live = slot >= 0
+    page = slot // page_size
+    offset = slot - page * page_size
+    base = cache_ptr + page * page_stride
+    d = tl.arange(0, _DIM)
+    x = tl.load(keys_ptr + t.to(tl.int64)[:, None] * k_t + d[None, :], mask=live[:, None], other=0.0)
+    if FORMAT == FP32:
+        data = (base + offset * (4 * _DIM)).to(tl.pointer_type(tl.float32))  # 4-byte aligned strides
+        tl.store(data[:, None] + d[None, :], x, mask=live[:, None])
+    else:
+        finite = tl.sum((tl.abs(x) < float("inf")).to(tl.int32), axis=1) == _DIM  # NaN compares false
+        if FORMAT == FP8:
+            amax = tl.max(tl.abs(x), axis=1)
+            scale = tl.where(finite, tl.div_rn(tl.maximum(amax, _SCALE_MIN), _FP8_MAX), float("nan"))
+            inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+            codes = _nan_or_fp8(x * inv[:, None], finite, True, HW)
+            tl.store(base[:, None] + offset[:, None] * _DIM + d[None, :], codes, mask=live[:, None])
+            scales = (base + page_size * _DIM + offset * 4).to(tl.pointer_type(tl.float32))
+            tl.store(scales, scale, mask=live)
+        else:
+            groups = tl.reshape(x, (BLOCK_T, 4, 32))
+            bound = tl.div_rn(tl.maximum(tl.max(tl.abs(groups), axis=2), _SCALE_MIN), _FP4_MAX)
+            bits = bound.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
+            e = tl.where(finite[:, None], e, 0)
+            a = tl.abs(groups * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, :, None])  # * 2^-e
+            code = ((a > 0.25).to(tl.int32) + (a > 0.75) + (a > 1.25) + (a > 1.75) + (a > 2.5) + (a > 3.5)
+                    + (a > 5.0))  # nearest, ties toward zero
+            code = code | (((groups < 0) & (code > 0)).to(tl.int32) << 3)
+            code = tl.where(finite[:, None, None], code, 0)
+            even, odd = tl.split(tl.reshape(code, (BLOCK_T, _DIM // 2, 2)))
+            j = tl.arange(0, _DIM // 2)
+            tl.store(base[:, None] + offset[:, None] * (_DIM // 2) + j[None, :], (even | (odd << 4)).to(tl.uint8),
+                     mask=live[:, None])
+            g = tl.arange(0, 4)
+            exponent = tl.where(finite[:, None], e + 127, 255).to(tl.uint8)
+            tl.store(base[:, None] + page_size * (_DIM // 2) + offset[:, None] * 4 + g[None, :], exponent,
+                     mask=live[:, None])
+
+
+@triton.jit
+def _cache_queries(q_ptr, qs_ptr, t, h, in_heads, q_h, qs_h, FORMAT: tl.constexpr, PRECISION: tl.constexpr,
+                   HW: tl.constexpr):
+    """The ``[BLOCK_H, 128]`` query tile of heads ``h`` of row ``t``: float32 (``"fp32"``), else
+    bf16 values (exact; times ``2^-8`` for fp8 without ``HW``, ``2^-14`` for fp4)."""
+    if FORMAT == FP32:
+        d = tl.arange(0, _DIM)
+        return tl.load(q_ptr + t + h[:, None] * q_h + d[None, :], mask=in_heads[:, None], other=0.0)
+    elif FORMAT == FP8:
+        d = tl.arange(0, _DIM)
+        code = tl.load(q_ptr + t + h[:, None] * q_h + d[None, :], mask=in_heads[:, None], other=0)
+        return _e4m3_values(code, HW).to(tl.bfloat16)
+    else:
+        j = tl.arange(0, _DIM // 2)
+        g = tl.arange(0, 4)
+        byte = tl.load(q_ptr + t + h[:, None] * q_h + j[None, :], mask=in_heads[:, None], other=0)
+        e = tl.load(qs_ptr + h[:, None] * qs_h + g[None, :], mask=in_heads[:, None], other=0)
+        return _fp4_values(byte, e).to(tl.bfloat16)
+
+
+@triton.jit
+def cache_logits_kernel(
+    q_ptr, qs_ptr, w_ptr, cache_ptr, slots_ptr, out_ptr,
+    heads, width, page_size, page_stride,
+    q_t, q_h, qs_t, qs_h, w_t, w_h, s_t, s_k, out_t,
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """``logits_kernel`` over a paged indexer key cache: keys dequantized in registers as they are
+    gathered, one ``tl.dot`` per ``BLOCK_H`` heads (float32 operands for ``"fp32"``, exact bf16 ones
+    otherwise), an fp8 key's scale applied to its column's sum."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, _DIM)
+    # what the bf16 values' factors (see _cache_queries) leave on a product
+    if FORMAT == FP4:
+        unscale = 268435456.0  # 2^28
+    elif FORMAT == FP8 and not HW:
+        unscale = 65536.0  # 2^16
+    else:
+        unscale = 1.0
+    for block in range(tl.program_id(1), tl.cdiv(width, BLOCK_N), tl.num_programs(1)):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = cols < width
+        slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
+        live = slots >= 0
+        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
+        page = slots // page_size
+        offset = slots - page * page_size
+        base = cache_ptr + page * page_stride
+        if FORMAT == FP32:
+            data = (base + offset * (4 * _DIM)).to(tl.pointer_type(tl.float32))
+            key = tl.load(data[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        elif FORMAT == FP8:
+            code = tl.load(base[:, None] + offset[:, None] * _DIM + d[None, :], mask=live[:, None], other=0)
+            key = _e4m3_values(code, HW).to(tl.bfloat16)
+            scales = (base + page_size * _DIM + offset * 4).to(tl.pointer_type(tl.float32))
+            key_scale = tl.load(scales, mask=live, other=0.0)
+        else:
+            j = tl.arange(0, _DIM // 2)
+            g = tl.arange(0, 4)
+            byte = tl.load(base[:, None] + offset[:, None] * (_DIM // 2) + j[None, :], mask=live[:, None], other=0)
+            e = tl.load(base[:, None] + page_size * (_DIM // 2) + offset[:, None] * 4 + g[None, :],
+                        mask=live[:, None], other=0)
+            key = _fp4_values(byte, e).to(tl.bfloat16)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for h0 in range(0, scored_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            in_heads = h < heads
+            qh = _cache_queries(q_ptr, qs_ptr + t * qs_t, t * q_t, h, in_heads, q_h, qs_h, FORMAT, PRECISION, HW)
+            if FORMAT == FP32:
+                scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+            else:
+                scores = tl.dot(qh, tl.trans(key))
+            w = tl.load(w_ptr + t * w_t + h * w_h, mask=in_heads, other=0.0)
+            relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
+            acc += tl.sum(relu * w[:, None], axis=0)
+        acc = acc * unscale
+        if FORMAT == FP8:
+            acc = acc * key_scale
+        logits = tl.where(live, acc, float("-inf"))
+        tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
