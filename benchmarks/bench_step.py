@@ -111,7 +111,7 @@ def decode_bytes(model: DeepseekV4Model, seq_lens: list[int]) -> int:
                 selected = min(blocks, cfg.index_topk) if attn.compress_ratio == 4 else blocks
                 cached += selected * ctoken
                 if attn.compress_ratio == 4:  # the indexer scores every visible block
-                    cached += blocks * cfg.index_head_dim * attn.indexer.keys.element_size()
+                    cached += blocks * attn.indexer.format.token_bytes
     return weights + cached
 
 
@@ -146,10 +146,10 @@ def slice_config() -> DeepseekV4Config:
 def build(args, device) -> DeepseekV4Model:
     if args.quick:
         config = tiny_config(intermediate_size=0, compress_ratios=(0, 0, 4, 128), num_hidden_layers=4)
-        cache = CacheConfig(max_requests=args.requests, max_seq_len=512, page_size=256)
+        cache = CacheConfig(max_requests=args.requests, max_seq_len=512, page_size=256, index_format=args.index_format)
     else:
         config = slice_config()
-        cache = CacheConfig(max_requests=64, max_seq_len=4096, page_size=256)
+        cache = CacheConfig(max_requests=64, max_seq_len=4096, page_size=256, index_format=args.index_format)
     return DeepseekV4Model(config, cache, seed=0, device=device)
 
 
@@ -303,6 +303,7 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "providers": d4.providers(device),
+        "index_format": model.cache.index_format,
         "layers": model.config.num_hidden_layers,
         "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "weights_mb": round(weights / 2**20, 1),
@@ -412,6 +413,8 @@ def main() -> dict:
     parser.add_argument("--calls", type=int, default=20, help="calls per timing run")
     parser.add_argument("--skip", default="", help="what not to run, comma-separated (of: " + ", ".join(MODES)
                         + "; prefill: the prefill memory measurement)")
+    parser.add_argument("--index-format", default="fp8", choices=list(layout.INDEX_FORMATS),
+                        help="the indexer key cache's format")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write a PNG of step time vs batch here")
     parser.add_argument("--profile", help="write the compiled step's kernel profile here (CUDA)")

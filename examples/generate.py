@@ -8,13 +8,16 @@ same prefilled state, and reports the graph count, graph breaks, recompiles, the
 difference compiled vs eager, the provider serving each op, and the time per decode step.
 
     python examples/generate.py [--device cpu|cuda] [--steps 8] [--kv-format v4] [--c4-kv-format F]
-        [--chunk N] [--json]
+        [--index-format fp8|fp4|fp32] [--chunk N] [--json]
 
 ``--kv-format``: the caches' format (``layout.FORMATS``, an FP8 one): ``v4`` (584-byte tokens),
 ``v4.1-fp8`` (528 bytes, block-split pages) or ``v4.1-fp8-interleaved``. ``--c4-kv-format``: the
 ratio-4 compressed cache's, if another of the same generation: e.g. ``v4.1-fp4`` (288-byte FP4
 tokens, as DSV4.1 stores its low-ratio compressed caches) with ``--kv-format v4.1-fp8``
-(``CacheConfig``'s ``kv_format`` and ``c4_kv_format``).
+(``CacheConfig``'s ``kv_format`` and ``c4_kv_format``). ``--index-format``: the ratio-4 layers'
+indexer key cache (``layout.INDEX_FORMATS``): ``fp8`` (132 bytes a block, the default), ``fp4``
+(68) or ``fp32`` (512, the exact scores). ``--json`` reports ``indexer_bytes_per_block`` and
+``cache_bytes_per_token`` (every layer's caches, as allocated, per token of context).
 
 ``--chunk N``: chunked prefill, at most ``N`` tokens per prefill step (bounded memory for any
 prompt length; :func:`dsv4_compile.generation.prefill_prompts`).
@@ -125,15 +128,18 @@ def parser() -> argparse.ArgumentParser:
                         help="the caches' format")
     parser.add_argument("--c4-kv-format", choices=list(layout.FORMATS),
                         help="the ratio-4 compressed cache's format (default: --kv-format's)")
+    parser.add_argument("--index-format", default="fp8", choices=list(layout.INDEX_FORMATS),
+                        help="the ratio-4 layers' indexer key cache's format")
     parser.add_argument("--chunk", type=int, help="chunked prefill: at most this many tokens per prefill step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
-def make_model(kv_format: str, device, tp=None, c4_kv_format: str | None = None) -> DeepseekV4Model:
+def make_model(kv_format: str, device, tp=None, c4_kv_format: str | None = None, index_format: str = "fp8") -> DeepseekV4Model:
     """The example's 3-layer model (random weights, seed 0), caches in ``kv_format`` (the ratio-4
-    compressed cache in ``c4_kv_format`` if given)."""
-    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, c4_kv_format=c4_kv_format)
+    compressed cache in ``c4_kv_format`` if given, the indexer key cache in ``index_format``)."""
+    cache = CacheConfig(max_requests=4, max_seq_len=512, kv_format=kv_format, c4_kv_format=c4_kv_format,
+                        index_format=index_format)
     return DeepseekV4Model(tiny_config(), cache, seed=0, device=device, tp=tp)
 
 
@@ -141,7 +147,7 @@ def main() -> dict:
     args = parser().parse_args()
     device = torch.device(args.device)
     steps = max(args.steps, 2)
-    model = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format)
+    model = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format, index_format=args.index_format)
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
 
     measured, details = measure(model, prompts, steps, device, args.chunk)
@@ -150,6 +156,9 @@ def main() -> dict:
     report = {
         "device": str(device),
         "kv_formats": model.cache.cache_formats(),
+        "indexer_bytes_per_block": layout.indexer_format(model.cache.index_format).token_bytes,
+        # every layer's caches, as allocated, per token of context
+        "cache_bytes_per_token": sum(model.cache.bytes_per_token(r)["total"] for r in model.config.compress_ratios),
         "prefill_chunk": args.chunk,
         **measured,
         "providers": d4.providers(device),

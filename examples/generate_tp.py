@@ -47,11 +47,11 @@ def main() -> dict:
 
 def _run(args, device, tp) -> dict:
     steps = max(args.steps, 2)
-    model = make_model(args.kv_format, device, tp=tp, c4_kv_format=args.c4_kv_format)
+    model = make_model(args.kv_format, device, tp=tp, c4_kv_format=args.c4_kv_format, index_format=args.index_format)
     prompts = random_prompts(model.config.vocab_size, PROMPT_LENGTHS)
     measured, details = measure(model, prompts, steps, device, args.chunk)
 
-    single = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format)  # the unsharded model, same seed, fed the same tokens
+    single = make_model(args.kv_format, device, c4_kv_format=args.c4_kv_format, index_format=args.index_format)  # the unsharded model, same seed, fed the same tokens
     with torch.no_grad():
         tp1_tokens, tp1_logits = run(single, single, prompts, steps, device, args.chunk, follow=details["tokens"])
     margins = choice_margins(tp1_logits, tp1_tokens, details["tokens"])

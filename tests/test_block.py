@@ -47,8 +47,8 @@ def page_table(device="cpu") -> torch.Tensor:
     return pages.view(CACHE.max_requests, CACHE.pages_per_request).to(device)
 
 
-def make_layer(ratio: int, device="cpu", seed: int = 0) -> DeepseekV4Attention:
-    layer = DeepseekV4Attention(CFG, ratio, CACHE, device=device)
+def make_layer(ratio: int, device="cpu", seed: int = 0, cache: CacheConfig = CACHE) -> DeepseekV4Attention:
+    layer = DeepseekV4Attention(CFG, ratio, cache, device=device)
     init_random_(layer, seed)
     return layer
 
@@ -99,12 +99,12 @@ def cache_page_sizes(layer: DeepseekV4Attention) -> dict[str, int]:
 
 
 def live_rows(layer: DeepseekV4Attention, name: str) -> int | None:
-    """Rows of a buffer that hold state: compressor rings and indexer keys end in scratch rows
-    (targets of the writes that are dropped), whose content is unspecified."""
+    """Rows of a buffer that hold state: compressor rings end in scratch rows (targets of the
+    writes that are dropped), whose content is unspecified."""
     if name.endswith(("state_kv", "state_score")):
         compressor = layer.get_submodule(name.rsplit(".", 1)[0])
         return -source_window(compressor.ratio)
-    return -1 if name.endswith("keys") else None
+    return None
 
 
 def assert_same_state(got: DeepseekV4Attention, want: DeepseekV4Attention, exact: bool) -> None:
@@ -121,6 +121,12 @@ def assert_same_state(got: DeepseekV4Attention, want: DeepseekV4Attention, exact
             slots = torch.arange(layout.capacity(g, pages[name]), device=g.device)
             g, w = (layout.gather_dequant(c, pages[name], slots, torch.float32) for c in (g, w))
             torch.testing.assert_close(g, w, atol=1e-3, rtol=2**-3, msg=name)
+        elif name.endswith("key_cache"):  # the indexer's keys, dequantized: a rounding step apart at most
+            ix = want.indexer
+            slots = torch.arange(layout.capacity(g, ix.page_size), device=g.device)
+            g, w = (layout.gather_index_keys(c, ix.page_size, slots, ix.format) for c in (g, w))
+            step = {"fp32": 0.0, "fp8": 2**-3, "fp4": 2**-1}[ix.format.values] * w.abs().amax(-1, keepdim=True)
+            assert bool(((g - w).abs() <= step + 1e-4).all()), name
         else:
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
 
@@ -128,7 +134,7 @@ def assert_same_state(got: DeepseekV4Attention, want: DeepseekV4Attention, exact
 def assert_no_cache_copy(code: str, layer: torch.nn.Module) -> None:
     """The generated code allocates no buffer of a cache's shape and copies into nothing."""
     for name, buf in layer.named_buffers():
-        states = ("state_kv", "state_score", "state_max", "state_sum", "state_acc", "keys")
+        states = ("state_kv", "state_score", "state_max", "state_sum", "state_acc")
         if buf.dtype == torch.uint8 or name.endswith(states):
             shape = ", ".join(map(str, buf.shape))
             assert not re.search(rf"empty_strided\w*\(\({shape}\)", code), name

@@ -3,8 +3,8 @@
 The reference recomputes everything per request from the whole history of layer inputs: the
 window keys, each compressed block pooled from its own tokens (no state ring), the indexer's keys,
 scores and top-k, then dense attention over the window + selected blocks. It shares no code with
-the layer except the weights and the cache's dequantization (``gather_dequant``, tested in
-``test_layout.py``): the caches the layer wrote are first checked against the reference keys
+the layer except the weights and the caches' dequantization (``gather_dequant``, tested in
+``test_layout.py``; ``gather_index_keys``, in ``test_indexer_cache.py``): the caches the layer wrote are first checked against the reference keys
 (within one fp8 step), then the attention reads the dequantized keys, so the output comparison
 is tight. Rounding to bf16 happens where the layer's tensors are bf16.
 
@@ -13,6 +13,7 @@ is tight. Rounding to bf16 happens where the layer's tensors are bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -185,8 +186,14 @@ def request_history(*args_list) -> list[torch.Tensor]:
     return [torch.cat(h) for h in history]
 
 
-def run_layer(ratio, step):
-    layer = make_layer(ratio)
+#: The output comparison scores with the exact indexer (float32 keys and queries): the reference's
+#: float64 selection is then that of the layer but at near-ties (``tied_rows``). The quantized
+#: indexer caches are held to the reference keys below, their selections in test_indexer_formats.py.
+EXACT_INDEX = dataclasses.replace(CACHE, index_format="fp32")
+
+
+def run_layer(ratio, step, cache=EXACT_INDEX):
+    layer = make_layer(ratio, cache=cache)
     first, second = prompt_args(), second_args(step)
     with torch.no_grad():
         call(layer_step, layer, **first)
@@ -210,9 +217,7 @@ def assert_holds_keys(cache, page, pt, req, want, where) -> None:
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_caches_hold_the_reference_keys(ratio, step):
     """Window and compressed caches, at the slots the page table gives, hold the reference keys
-    (one fp8 step on dims 0..447, bf16 on the RoPE dims); the indexer holds its keys, without
-    upstream's Hadamard rotation (models/indexer.py; the reference's selection, which the output
-    test below follows, scores with it)."""
+    (one fp8 step on dims 0..447, bf16 on the RoPE dims)."""
     layer, first, second, _ = run_layer(ratio, step)
     ref = Reference(layer, first["page_table"])
     for b, (req, x) in enumerate(zip(REQ_SLOTS, request_history(first, second))):
@@ -221,12 +226,33 @@ def test_caches_hold_the_reference_keys(ratio, step):
             caches.append((layer.compressed_cache, layer.compressed_page_size, ref.block_keys(x)))
         for cache, page, want in caches:
             assert_holds_keys(cache, page, ref.pt, req, want, (b, page))
-        if ratio == 4:
-            keys = compressed_blocks(layer.indexer.compressor, layer.x_weight("indexer.compressor.wkv_gate"), x, 4)
-            keys = rotate(keys, torch.arange(len(keys)) * 4, ref.f)
-            page = layer.compressed_page_size
-            slots = torch.tensor([slot(ref.pt, req, k, page) for k in range(len(keys))], dtype=torch.long)
-            torch.testing.assert_close(layer.indexer.keys[slots].to(F64), keys, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("index_format", list(layout.INDEX_FORMATS))
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_indexer_cache_holds_the_reference_keys(step, index_format):
+    """The indexer's key cache holds the reference keys: float32 ones within float32 noise; FP8 /
+    FP4 ones Hadamard-rotated, within one rounding step of their format (per key ``2^-3 |k|`` and
+    a subnormal step of ``amax / 448``; per 32 values ``|k| / 2`` and ``amax / 6``)."""
+    cache = dataclasses.replace(CACHE, index_format=index_format)
+    layer, first, second, _ = run_layer(4, step, cache)
+    ref = Reference(layer, first["page_table"])
+    ix = layer.indexer
+    for req, x in zip(REQ_SLOTS, request_history(first, second)):
+        keys = compressed_blocks(ix.compressor, layer.x_weight("indexer.compressor.wkv_gate"), x, 4)
+        keys = rotate(keys, torch.arange(len(keys)) * 4, ref.f)
+        slots = torch.tensor([slot(ref.pt, req, k, ix.page_size) for k in range(len(keys))], dtype=torch.long)
+        got = layout.gather_index_keys(ix.key_cache, ix.page_size, slots, index_format).to(F64)
+        if index_format == "fp32":
+            torch.testing.assert_close(got, keys, atol=1e-4, rtol=1e-4)
+            continue
+        want = keys @ hadamard(ix.head_dim)
+        if index_format == "fp8":
+            bound = 2**-3 * want.abs() + want.abs().amax(-1, keepdim=True) / 448 * 2**-9
+        else:
+            amax = want.abs().unflatten(-1, (4, 32)).amax(-1, keepdim=True).expand(-1, -1, 32).flatten(-2)
+            bound = want.abs() / 2 + amax / 6
+        assert bool(((got - want).abs() <= bound + 1e-4).all()), (req, index_format)
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))

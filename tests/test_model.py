@@ -300,13 +300,16 @@ def test_decode_batch_size_changes_recompile_at_most_once():
     assert counter.frame_count <= 2, counter.frame_count
 
 
-def reduce_overhead_decode(caches: str, **options) -> tuple[list, list, int]:
+def reduce_overhead_decode(caches: str, index_format: str = "fp32", **options) -> tuple[list, list, int]:
     """The eager logits of every step, the ``reduce-overhead`` decode's (Inductor ``options``),
     fed the eager run's tokens (teacher forcing: free-running greedy decoding can flip on a
-    near-tie of two logits), and the cudagraph skips it recorded; on CUDA."""
+    near-tie of two logits), and the cudagraph skips it recorded; on CUDA. The indexer scores
+    exactly by default (``"fp32"``): a quantized one turns the compiled code's float32 rounding
+    differences into whole FP8 / FP4 steps of a query, whose selection can then differ from
+    eager's at a near-tie of two blocks."""
     from torch._dynamo.utils import counters
 
-    eager = make_model("cuda", **CACHES[caches])
+    eager = make_model("cuda", **CACHES[caches], index_format=index_format)
     compiled_model = copy.deepcopy(eager)
     want_tokens, want_logits = run_generation(eager, eager, "cuda")
     torch._dynamo.reset()
@@ -334,6 +337,20 @@ def test_cuda_reduce_overhead_decode_has_no_cudagraph_skips(caches):
     got_logits, want_logits, skips = reduce_overhead_decode(caches)
     assert skips == 0
     assert_steps_close(got_logits, want_logits, rerounded_atol, first_step=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("index_format", ["fp8", "fp4"])
+def test_cuda_reduce_overhead_decode_with_a_quantized_indexer(index_format):
+    """With the FP8 / FP4 indexer key cache: no cudagraph skip, finite logits, and at every step
+    most rows within the test above's tolerance of eager (a row whose indexer selection flips at
+    a near-tie is not)."""
+    got_logits, want_logits, skips = reduce_overhead_decode("v4.1-fp8", index_format)
+    assert skips == 0
+    for got, want in zip(got_logits, want_logits):
+        assert bool(got.isfinite().all())
+        close = ((got - want).abs() <= rerounded_atol(want)).all(dim=-1)
+        assert close.float().mean().item() >= 0.5, close
 
 
 @pytest.mark.cuda

@@ -101,6 +101,10 @@ class CacheConfig:
     (``None``: ``kv_format``), of the same generation (V4 or V4.1); e.g. a V4.1 model with FP4
     compressed caches on its ratio-4 layers, as DSV4.1 stores them, is ``kv_format="v4.1-fp8",
     c4_kv_format="v4.1-fp4"``.
+
+    ``index_format``: the ratio-4 layers' indexer key cache (``layout.INDEX_FORMATS``): ``"fp8"``
+    (132 bytes a compressed block, the default: what SGLang allocates for V4 and V4.1 alike),
+    ``"fp4"`` (68 bytes; SGLang's opt-in FP4 indexer) or ``"fp32"`` (512 bytes, the exact scores).
     """
 
     max_requests: int = 4
@@ -109,8 +113,11 @@ class CacheConfig:
     kv_format: str = "v4"
     c4_kv_format: str | None = None
     c128_kv_format: str | None = None
+    index_format: str = "fp8"
 
     def __post_init__(self):
+        if self.index_format not in layout.INDEX_FORMATS:
+            raise ValueError(f"index_format must be one of {list(layout.INDEX_FORMATS)}, got {self.index_format!r}")
         main = layout.FORMATS.get(self.kv_format)
         if main is None or main.values == "fp4":
             fp8 = [name for name, fmt in layout.FORMATS.items() if fmt.values != "fp4"]
@@ -146,8 +153,26 @@ class CacheConfig:
         return self.kv_format if named is None else named
 
     def cache_formats(self) -> dict[str, str]:
-        """Every cache's format name: ``{"window": ..., "c4": ..., "c128": ...}``."""
-        return {"window": self.cache_format(0), **{f"c{r}": self.cache_format(r) for r in COMPRESS_RATIOS}}
+        """Every cache's format name: ``{"window": ..., "c4": ..., "c128": ..., "indexer": ...}``."""
+        compressed = {f"c{r}": self.cache_format(r) for r in COMPRESS_RATIOS if r}
+        return {"window": self.cache_format(0), **compressed, "indexer": self.index_format}
+
+    def bytes_per_token(self, ratio: int) -> dict[str, float]:
+        """Cache bytes a token of context costs a layer of ``compress_ratio`` ``ratio``, as
+        allocated (canonical page strides, padding included): ``{"window": ..., "compressed":
+        ..., "indexer": ..., "total": ...}`` (the compressed caches hold one token per ``ratio``)."""
+        def per_token(fmt, tokens_per_page: int, page_size: int) -> float:
+            return fmt.page_bytes(page_size) / tokens_per_page
+
+        P = self.page_size
+        out = {"window": per_token(layout.cache_format(self.cache_format(0)), P, P), "compressed": 0.0, "indexer": 0.0}
+        if ratio:
+            page = self.compressed_page_size(ratio)
+            out["compressed"] = per_token(layout.cache_format(self.cache_format(ratio)), P, page)
+        if ratio == 4:
+            out["indexer"] = per_token(layout.indexer_format(self.index_format), P, self.compressed_page_size(4))
+        out["total"] = sum(out.values())
+        return out
 
     def compressed_page_size(self, ratio: int) -> int:
         """Compressed tokens per page of the ratio-``ratio`` cache (``page_size / ratio``)."""

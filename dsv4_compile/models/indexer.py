@@ -6,31 +6,31 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
 
 * query: ``q = wq_b(q_lora)`` ``[T, H_i, 128]`` (``q_lora`` is the attention's normed
   ``q_lora``), interleaved RoPE on its last 64 dims at the token position (the layer's table),
-  then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``); no norm (no rotation
-  here: see Deviations).
+  then the normalised Walsh-Hadamard rotation (``x @ H / sqrt(128)``; quantized formats only);
+  no norm; quantized as the key cache's format.
 * head weights: ``w = weights_proj(x) * 128**-0.5 * H_i**-0.5``.
 * keys: a second ratio-4 (overlapping) :class:`Compressor` of width 128 pools the block (its
   ``wkv_gate`` is rows of the layer's stacked input projection); the
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated
-  (not here).
+  (quantized formats only), quantized and stored (op ``dsv4::indexer_store``).
 * logits over the request's visible blocks ``k < (pos+1)//4``:
-  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``: op ``dsv4::indexer_logits``
-  (docs/design.md §2.8), which reads only those blocks' keys.
+  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``: op ``dsv4::indexer_cache_logits``
+  (docs/design.md §2.11), which reads only those blocks' keys.
 * tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
   logits are all-reduced before the selection, so every rank selects the same blocks.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
   ``index_topk`` best (op ``dsv4::indexer_topk``, docs/design.md §2.9: in block order, equal
   logits to the lower block, the same indices on every provider); ``-1`` pads to the fixed width.
 
-Deviations: upstream quantizes queries and keys to FP8 (per-(token, head) and per-key scales)
-before the logits; here both stay float32 (the op scores them in float32, or 3xTF32 on NVIDIA
-tensor cores, ~float32), and the key cache is a float32 buffer addressed by c4 slots (its last row
-is scratch for candidates that store nothing). Selection is therefore the
-exact-arithmetic top-k, which FP8 can perturb near ties. And without FP8 there is nothing for the
-Hadamard rotation to do: it rotates queries and keys alike, and an orthonormal rotation keeps
-their dot products, ``<q H, k H> = <q, k>``; upstream applies it to spread outliers before
-quantizing. So neither is rotated (two float32 GEMMs per step fewer), the logits equal the
-rotated ones up to float32 rounding, and the key buffer holds unrotated keys.
+The key cache (``CacheConfig.index_format``, docs/design.md §2.11) is paged as the c4 cache (the
+same slots, ``page_size / 4`` blocks a page): ``"fp8"`` (the default, as SGLang) or ``"fp4"``
+rotate keys and queries by the Hadamard transform (:func:`layout.hadamard`) and quantize them as
+SGLang's indexer does (per key / per (token, head) for FP8, with the query's scale folded into its
+head weight; per 32 values for FP4); ``"fp32"`` keeps exact float32 keys and queries, unrotated
+(the rotation keeps dot products: ``<q H, k H> = <q, k>``), so its selection is the
+exact-arithmetic top-k. Deviations: the rotation here is float32 butterflies, where SGLang's FP4
+query kernel rounds to bf16 after RoPE and after the rotation; the scores sum exact products in
+float32 (bf16 operands on tensor cores), not DeepGEMM's FP8 MMA.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import layout
 from .compressor import Compressor, StepTokens
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import StepMetadata
@@ -77,8 +78,14 @@ class Indexer(nn.Module):
         shard_(self.weights_proj, weight=0)
         self.compressor = Compressor(self.head_dim, RATIO, max_requests=cache.max_requests, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
-        slots = cache.num_pages * cache.compressed_page_size(RATIO)
-        self.register_buffer("keys", torch.zeros(slots + 1, self.head_dim, device=device))
+        if self.head_dim != layout.INDEX_HEAD_DIM:
+            raise ValueError(f"index_head_dim must be {layout.INDEX_HEAD_DIM} (the indexer key cache's "
+                             f"width), got {self.head_dim}")
+        self.format = layout.indexer_format(cache.index_format)
+        self.page_size = cache.compressed_page_size(RATIO)
+        self.register_buffer(
+            "key_cache", layout.alloc_index_cache(cache.num_pages, self.page_size, self.format, device)
+        )
 
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, projected: torch.Tensor, meta: StepMetadata
@@ -89,19 +96,28 @@ class Indexer(nn.Module):
         from the layer's stacked input projection)."""
         plan = meta.plans[RATIO]
         latent, tokens = self.compressor(projected, plan)
+        fmt, name = self.format, self.format.name
         key = rope_last(
             rms_norm(latent, self.compressor.norm_weight, self.eps), self.freqs, plan.emit_pos, in_place=True
         )
-        scratch = self.keys.shape[0] - 1
-        self.keys[torch.where(plan.emit_slot >= 0, plan.emit_slot, scratch)] = key
+        if fmt.rotated:
+            key = layout.hadamard(key)
+        torch.ops.dsv4.indexer_store(key, self.key_cache, plan.emit_slot, self.page_size, name)  # -1: none
 
         q = self.wq_b(q_lora).view(-1, self.heads, self.head_dim)
         q = rope_last(q, self.freqs, meta.positions)  # [T, H_i, D_i] fp32
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, H_i]
+        if fmt.rotated:
+            q = layout.hadamard(q)
+        q, q_scales = layout.quantize_index(q, fmt)
+        if fmt.values == "fp8":  # the query's scale rides on its head weight (relu(s x) = s relu(x))
+            weights, q_scales = weights * q_scales, None
         # only the visible blocks' keys are read (the op; -inf where a block is not visible);
         # -inf summed over ranks stays -inf
-        logits = self.tp.all_reduce(torch.ops.dsv4.indexer_logits(q, weights, self.keys, plan.block_slots))
-        return self.select(logits, plan.lengths), tokens
+        logits = torch.ops.dsv4.indexer_cache_logits(
+            q, weights, self.key_cache, plan.block_slots, self.page_size, name, q_scales
+        )
+        return self.select(self.tp.all_reduce(logits), plan.lengths), tokens
 
     def select(self, logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Top-``index_topk`` block ids of ``logits [T, M]`` (``-inf`` = not visible), ``-1`` padded."""
