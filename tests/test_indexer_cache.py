@@ -2,8 +2,9 @@
 ``dsv4::indexer_cache_logits`` in the ``"fp32"``, ``"fp8"`` and ``"fp4"`` formats.
 
 The stored bytes are held to an independent bit-level model of each format written here in plain
-Python (float32 arithmetic by rounding doubles through ``struct``, the e4m3 and e2m1 codes by
-searching their value tables), not to ``layout.quantize_index``; the logits to a float64 sum over
+Python (float32 arithmetic by rounding doubles through ``struct``, the e4m3 codec of
+``float64_model.py``, the e2m1 codes by searching their value table), not to
+``layout.quantize_index``; the logits to a float64 sum over
 the keys and queries that model decodes. Where the Triton kernels run: as in
 ``test_indexer_logits.py`` (interpreted on CPU in a child pytest, compiled on CUDA).
 """
@@ -18,6 +19,7 @@ import struct
 import pytest
 import torch
 
+from float64_model import fp8_decode as e4m3_value, fp8_encode as e4m3_code
 from helpers import patch_triton_interpreter, report, run_interpreted_child
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -43,29 +45,6 @@ def f32(x: float) -> float:
     """``x`` rounded to float32 (nearest even); exact for a float32 ``x``. Rounding a double result
     of ``+ - * /`` on float32 operands gives the float32 operation's result."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-def e4m3_value(code: int) -> float:
-    """The value of a float8_e4m3fn code, from the format's definition (NaN: 0x7F, 0xFF)."""
-    sign = -1.0 if code & 0x80 else 1.0
-    exponent, mantissa = (code >> 3) & 0xF, code & 7
-    if exponent == 0xF and mantissa == 7:
-        return math.nan
-    if exponent == 0:
-        return sign * mantissa / 8 * 2.0**-6
-    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-
-
-E4M3 = [(e4m3_value(c), c) for c in range(256) if not math.isnan(e4m3_value(c))]
-
-
-def e4m3_code(v: float) -> int:
-    """The e4m3 code nearest to ``v`` clamped to +-448, ties to the even code; NaN: 0x7F."""
-    if math.isnan(v):
-        return 0x7F
-    v = min(max(v, -448.0), 448.0)
-    best = min(E4M3, key=lambda vc: (abs(vc[0] - v), vc[1] & 1, vc[1] & 0x80 != (0x80 if v < 0 else 0)))
-    return best[1]
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
