@@ -62,6 +62,18 @@ SCRIPT = textwrap.dedent(
         slots = torch.randint(0, 8192, (512, 4096))
         run = lambda: d4.indexer_logits(q, w, keys, slots)
         outputs = 512 * 4096 * 4
+    elif op == "index_store":  # 262144 keys into an FP4 indexer cache: ~1 GB of temporaries at once
+        cache = d4.layout.alloc_index_cache(4096, 64, "fp4")
+        keys, slots = torch.randn(262144, 128), torch.randperm(262144)
+        run = lambda: d4.indexer_store(keys, cache, slots, 64, "fp4")
+        outputs = 0
+    elif op == "index_logits":  # the indexer case above over an FP4 cache: 2 GB if gathered at once
+        cache = d4.layout.alloc_index_cache(128, 64, "fp4")
+        d4.indexer_store(torch.randn(8192, 128), cache, torch.arange(8192), 64, "fp4")
+        codes, scales = d4.layout.quantize_index(torch.randn(512, 64, 128), "fp4")
+        w, slots = torch.randn(512, 64), torch.randint(0, 8192, (512, 4096))
+        run = lambda: d4.indexer_cache_logits(codes, w, cache, slots, 64, "fp4", scales)
+        outputs = 512 * 4096 * 4
     elif op == "topk":  # T=65536 rows (a prefill's), 1024 blocks each: 1.5 GB if sorted at once
         logits = torch.randn(65536, 1024)
         run = lambda: d4.indexer_topk(logits, 512)
@@ -98,7 +110,7 @@ def _clear_refs_works() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_works(),
                     reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
-@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer", "topk", "rope"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "store", "indexer", "index_store", "index_logits", "topk", "rope"])
 def test_peak_memory_is_bounded(op, request):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
