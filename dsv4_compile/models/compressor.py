@@ -16,8 +16,8 @@ before the CUDA kernel's ``apply_ape_hotfix`` permutation:
   before position 0 the pooled values are ``kv = 0, score = -inf``.
 * The caller normalises (RMSNorm with the float32 ``norm`` weight) and rotates the latent at the
   block's first position ``k * ratio`` (for the attention cache: through
-  ``dsv4::fused_k_norm_rope_flashmla``; for the indexer keys: in PyTorch, with no Hadamard rotation,
-  :mod:`.indexer`).
+  ``dsv4::fused_k_norm_rope_flashmla``; for the indexer keys: in PyTorch, then Hadamard-rotated
+  for a quantized key cache and stored by ``dsv4::indexer_store``, :mod:`.indexer`).
 
 State: upstream keeps each request's not-yet-pooled ``(kv, score)`` in a state pool. Here:
 
