@@ -349,6 +349,42 @@ def test_triton_store_takes_strided_keys(name, device):
     assert torch.equal(cache, other)
 
 
+def strided(args):
+    """The same values in views with other strides: ``q``'s heads (and ``q_scales``') every other
+    of a wider tensor full of garbage, ``weights`` transposed storage, ``block_slots`` every other
+    column of a wider table."""
+    q, weights, cache, block_slots, page_size, name, q_scales = args
+
+    def every_other_head(t):
+        shape = (t.shape[0], 2 * t.shape[1], t.shape[2])
+        if t.element_size() == 1:  # uint8 or float8 codes: 0x7F bytes (an e4m3 NaN) between the heads
+            wide = torch.full(shape, 0x7F, dtype=torch.uint8, device=t.device).view(t.dtype)
+        else:
+            wide = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
+        wide.view(torch.uint8)[:, ::2] = t.view(torch.uint8)
+        return wide[:, ::2]
+
+    wide_slots = torch.full((block_slots.shape[0], 2 * block_slots.shape[1]), 10**6, dtype=block_slots.dtype,
+                            device=block_slots.device)
+    wide_slots[:, ::2] = block_slots
+    return (every_other_head(q), weights.t().contiguous().t(), cache, wide_slots[:, ::2], page_size, name,
+            None if q_scales is None else every_other_head(q_scales))
+
+
+@not_interpreted
+@pytest.mark.parametrize("name", FORMATS)
+def test_reference_takes_strided_inputs(name):
+    args = logits_case(name)
+    assert torch.equal(reference_cache_logits(*strided(args)), reference_cache_logits(*args))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_takes_strided_inputs(name, device):
+    args = logits_case(name, device=device)
+    assert torch.equal(triton_cache_logits(*strided(args)), triton_cache_logits(*args))
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_empty(device):
     for name in FORMATS:
@@ -474,6 +510,10 @@ def test_store_bad_inputs_are_named_and_write_nothing(bad, message):
         ("fp32", lambda a: (a[0], a[1][:, :2], *a[2:]), "weights must be float32 [5, 6], got float32 [5, 2]"),
         ("fp4", lambda a: (a[0][..., :32], *a[1:]), "q must be uint8 [*, *, 64]"),
         ("fp8", lambda a: (*a[:3], a[3] + 32, *a[4:]), "block_slots must be -1 or a slot in [0, 32)"),
+        ("fp32", lambda a: (a[0].transpose(1, 2).contiguous().transpose(1, 2), *a[1:]),
+         "q must be last-dim contiguous (stride(2) == 1)"),
+        ("fp4", lambda a: (*a[:6], a[6].transpose(1, 2).contiguous().transpose(1, 2)),
+         "q_scales must be last-dim contiguous (stride(2) == 1)"),
     ],
 )
 def test_logits_bad_inputs_are_named(name, bad, message):

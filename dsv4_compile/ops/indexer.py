@@ -199,8 +199,12 @@ def check_indexer_cache_logits(q, weights, index_cache, block_slots, page_size, 
     fmt = c.index_format("index_format", index_format)
     packed = fmt.data_bytes if fmt.values == "fp4" else layout.INDEX_HEAD_DIM
     tokens, heads, _ = c.tensor("q", q, (_QUERY_DTYPES[fmt.values],), (None, None, packed))
+    if q.stride(2) != 1:
+        c.fail("q", "last-dim contiguous (stride(2) == 1)", f"strides {tuple(q.stride())}")
     if fmt.values == "fp4":
         c.tensor("q_scales", q_scales, (torch.uint8,), (tokens, heads, fmt.scale_bytes))
+        if q_scales.stride(2) != 1:
+            c.fail("q_scales", "last-dim contiguous (stride(2) == 1)", f"strides {tuple(q_scales.stride())}")
     elif q_scales is not None:
         c.fail("q_scales", f"None with index_format {fmt.name!r} (only 'fp4' queries carry scales; "
                "fold an fp8 query's scale into weights)", q_scales)
@@ -245,7 +249,8 @@ def indexer_cache_logits(
     Args:
         q: the queries' codes, :func:`dsv4_compile.layout.quantize_index` of the (rotated, for
             ``"fp8"`` / ``"fp4"``) float32 queries: ``[T, H, 128]`` float32 (``"fp32"``),
-            ``[T, H, 128]`` float8_e4m3fn (``"fp8"``), ``[T, H, 64]`` uint8 (``"fp4"``).
+            ``[T, H, 128]`` float8_e4m3fn (``"fp8"``), ``[T, H, 64]`` uint8 (``"fp4"``); last dim
+            contiguous (any other strides).
         weights: ``[T, H]`` float32 head weights; with ``"fp8"`` times the queries' scales.
         index_cache: the cache :func:`indexer_store` wrote.
         block_slots: ``[T, M]`` int32/int64 slot of each query's ``k``-th block, or ``-1``.
