@@ -185,9 +185,8 @@ class Checker:
             f"a contiguous uint8 index cache [num_pages >= 1, page_stride] with page_stride >= "
             f"page_size*{fmt.token_bytes}={need} ({fmt.name}) and a multiple of {layout.INDEX_ALIGN} "
             f"(canonical: dsv4_compile.layout.alloc_index_cache)",
-            cache if not isinstance(cache, torch.Tensor) or cache.is_contiguous()
-            else f"{_describe(cache)} with strides {tuple(cache.stride())}",
-            TypeError if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 else ValueError,
+            f"{_describe(cache)} with strides {tuple(cache.stride())}" if isinstance(cache, torch.Tensor) else cache,
+            ValueError if isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8 else TypeError,
         )
 
     def cache(self, arg: str, cache, page_size: int, fmt: layout.CacheFormat = layout.V4) -> None:

@@ -67,8 +67,23 @@ NAN_DATA_RECORD = torch.cat([
 NAN_SCALE_RECORD = torch.tensor([0xFF] * NUM_TILES + [0], dtype=torch.uint8)
 
 
-@dataclass(frozen=True, eq=False)
-class CacheFormat:
+class _Format:
+    """What both kinds of format share: a token is ``data_bytes`` then ``scale_bytes``; one object
+    per format, shown as its name and copied or pickled as its name (``_lookup`` resolves it)."""
+
+    @property
+    def token_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+    def __reduce__(self):
+        return type(self)._lookup, (self.name,)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class CacheFormat(_Format):
     """One paged KV-cache format: a token's bytes and where they sit in a page.
 
     ``values``: ``"fp8+bf16"`` (V4), ``"fp8"`` or ``"fp4"`` (V4.1). A token is ``data_bytes`` of
@@ -91,16 +106,6 @@ class CacheFormat:
     align: int
     nan_data: tuple[int, ...]
     nan_scales: tuple[int, ...]
-
-    @property
-    def token_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
-
-    def __repr__(self) -> str:
-        return repr(self.name)
-
-    def __reduce__(self):
-        return cache_format, (self.name,)
 
     @property
     def is_v4(self) -> bool:
@@ -144,6 +149,9 @@ def cache_format(kv_format: str | CacheFormat) -> CacheFormat:
     if fmt is None:
         raise ValueError(f"kv_format must be one of {list(FORMATS)}, got {kv_format!r}")
     return fmt
+
+
+CacheFormat._lookup = staticmethod(cache_format)
 
 
 def page_bytes(page_size: int, kv_format: str | CacheFormat = "v4") -> int:
@@ -253,6 +261,12 @@ def cache_from_view(view: torch.Tensor, arg: str = "k_cache") -> tuple[torch.Ten
              f"in a {view.untyped_storage().nbytes()}-byte storage")
     base = view.view(torch.uint8).as_strided((num_pages, stride), (stride, 1))
     return base, page_size, token
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(x))`` of positive fp32 ``x``, exactly (a power of two stays exact)."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
 def _ue8m0_to_float(exponent_bytes: torch.Tensor) -> torch.Tensor:
@@ -369,8 +383,8 @@ INDEX_SCALE_MIN = 1e-4  # amax floor of the quantized indexer formats (before th
 INDEX_ALIGN = 4  # index-cache page strides are multiples of it
 
 
-@dataclass(frozen=True, eq=False)
-class IndexFormat:
+@dataclass(frozen=True, eq=False, repr=False)
+class IndexFormat(_Format):
     """One paged indexer-key format: a key's bytes and where they sit in a page (block-split).
 
     ``values``: ``"fp32"``, ``"fp8"`` or ``"fp4"``; a key is ``data_bytes`` of values then
@@ -387,16 +401,6 @@ class IndexFormat:
     scale_bytes: int
     group: int
     rotated: bool
-
-    @property
-    def token_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
-
-    def __repr__(self) -> str:
-        return repr(self.name)
-
-    def __reduce__(self):
-        return indexer_format, (self.name,)
 
     def page_bytes(self, page_size: int) -> int:
         """Canonical page stride for ``page_size`` keys: ``page_size * token_bytes``."""
@@ -419,6 +423,9 @@ def indexer_format(name: str | IndexFormat) -> IndexFormat:
     if fmt is None:
         raise ValueError(f"index_format must be one of {list(INDEX_FORMATS)}, got {name!r}")
     return fmt
+
+
+IndexFormat._lookup = staticmethod(indexer_format)
 
 
 def alloc_index_cache(
@@ -458,11 +465,6 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(shape) * INDEX_HEAD_DIM**-0.5
 
 
-def _pow2_float(e: torch.Tensor) -> torch.Tensor:
-    """``2.0**e`` (float32, exact) of int32 ``e`` in [-126, 127]."""
-    return ((e + UE8M0_BIAS).to(torch.int32) << 23).view(torch.float32)
-
-
 def quantize_index(x: torch.Tensor, index_format: str | IndexFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(codes, scales)`` of float32 ``x [..., 128]`` in ``index_format`` (indexer keys, or
     queries per (token, head)); a vector with a non-finite value quantizes to NaN (every value of
@@ -489,9 +491,8 @@ def quantize_index(x: torch.Tensor, index_format: str | IndexFormat) -> tuple[to
         return codes, scale
     groups = x.unflatten(-1, (INDEX_HEAD_DIM // 32, 32))
     bound = (groups.abs().amax(-1).clamp_min(INDEX_SCALE_MIN) / FP4_MAX).nan_to_num(nan=1.0, posinf=1.0)
-    bits = bound.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - UE8M0_BIAS + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2)
-    a = (groups * _pow2_float(-e)[..., None]).abs()
+    e = ceil_log2(bound)
+    a = (groups * _ue8m0_to_float(UE8M0_BIAS - e)[..., None]).abs()  # * 2^-e
     code = (
         (a > 0.25).to(torch.uint8) + (a > 0.75) + (a > 1.25) + (a > 1.75) + (a > 2.5) + (a > 3.5) + (a > 5.0)
     )

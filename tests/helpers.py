@@ -21,6 +21,15 @@ def rope_table(max_pos: int, theta: float = 10000.0) -> torch.Tensor:
     return torch.stack([ang.cos(), ang.sin()], -1).flatten(-2).float()
 
 
+def sylvester_hadamard(n: int) -> torch.Tensor:
+    """The normalised ``n x n`` Sylvester Hadamard matrix, float64, built by Kronecker products
+    (independent of ``layout.hadamard``'s butterflies): ``H[i, j] = (-1)^popcount(i & j) / sqrt(n)``."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return h / math.sqrt(n)
+
+
 def store_inputs(num_tokens: int, dtype=torch.bfloat16, index_dtype=torch.int64, max_pos: int = 4096):
     kv = (torch.randn(num_tokens, layout.HEAD_DIM) * 3).to(dtype)
     weight = (1 + 0.5 * torch.randn(layout.HEAD_DIM)).to(dtype)

@@ -21,6 +21,7 @@ import torch
 from conftest import call
 
 from dsv4_compile import layout
+from helpers import sylvester_hadamard
 from test_block import (
     CACHE, CFG, PROMPTS, REQ_SLOTS, STEPS, layer_step, make_layer, prompt_args, second_args, step_args,
 )
@@ -59,13 +60,6 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, f: torch.Tensor, inverse: bool = 
     a, b = x[..., -64::2].clone(), x[..., -63::2].clone()
     x[..., -64::2], x[..., -63::2] = a * c - b * s, a * s + b * c
     return x
-
-
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=F64)
-    while h.shape[0] < n:
-        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=F64), h)
-    return h / math.sqrt(n)
 
 
 def compressed_blocks(comp, wkv_gate, x: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -121,7 +115,7 @@ class Reference:
     def index_scores(self, x_new, q_lora, pos, x_all) -> torch.Tensor:
         """Indexer logits ``[n, blocks]`` (``-inf`` where not yet visible)."""
         ix = self.layer.indexer
-        h = hadamard(ix.head_dim)
+        h = sylvester_hadamard(ix.head_dim)
         blocks = compressed_blocks(ix.compressor, self.layer.x_weight("indexer.compressor.wkv_gate"), x_all, 4)
         keys = rotate(blocks, torch.arange(len(blocks)) * 4, self.f) @ h
         q = bf16(linear(q_lora, ix.wq_b.weight)).view(len(x_new), ix.heads, ix.head_dim)
@@ -246,7 +240,7 @@ def test_indexer_cache_holds_the_reference_keys(step, index_format):
         if index_format == "fp32":
             torch.testing.assert_close(got, keys, atol=1e-4, rtol=1e-4)
             continue
-        want = keys @ hadamard(ix.head_dim)
+        want = keys @ sylvester_hadamard(ix.head_dim)
         if index_format == "fp8":
             bound = 2**-3 * want.abs() + want.abs().amax(-1, keepdim=True) / 448 * 2**-9
         else:

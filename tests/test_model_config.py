@@ -29,7 +29,8 @@ def test_defaults_are_dsv4_flash():
         (dict(num_attention_heads=6, o_groups=4), "multiple of o_groups"),
         (dict(compress_ratios=(0, 8, 128)), "compress_ratios must be in"),
         (dict(num_hidden_layers=4), "one entry per layer"),
-        (dict(index_head_dim=96), "power of two"),
+        (dict(index_head_dim=96), "index_head_dim must be 128"),
+        (dict(index_head_dim=256), "index_head_dim must be 128"),  # a power of two the key cache cannot hold
     ],
 )
 def test_config_rejects_what_the_layout_cannot_hold(change, message):

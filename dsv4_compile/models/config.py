@@ -75,11 +75,10 @@ class DeepseekV4Config:
                 f"compress_ratios needs one entry per layer ({self.num_hidden_layers}), "
                 f"got {len(self.compress_ratios)}"
             )
-        d = self.index_head_dim
-        if d & (d - 1) or d <= self.qk_rope_head_dim:
+        if self.index_head_dim != layout.INDEX_HEAD_DIM:
             raise ValueError(
-                f"index_head_dim must be a power of two > {self.qk_rope_head_dim} (DSV4's indexer "
-                f"defines a Hadamard rotation of that order, and RoPE on its trailing dims), got {d}"
+                f"index_head_dim must be {layout.INDEX_HEAD_DIM} (DSV4's: the indexer key cache's formats "
+                f"and its Hadamard rotation are that wide), got {self.index_head_dim}"
             )
 
 
@@ -161,16 +160,12 @@ class CacheConfig:
         """Cache bytes a token of context costs a layer of ``compress_ratio`` ``ratio``, as
         allocated (canonical page strides, padding included): ``{"window": ..., "compressed":
         ..., "indexer": ..., "total": ...}`` (the compressed caches hold one token per ``ratio``)."""
-        def per_token(fmt, tokens_per_page: int, page_size: int) -> float:
-            return fmt.page_bytes(page_size) / tokens_per_page
-
-        P = self.page_size
-        out = {"window": per_token(layout.cache_format(self.cache_format(0)), P, P), "compressed": 0.0, "indexer": 0.0}
+        P = self.page_size  # a page of each cache holds the blocks of P tokens
+        out = {"window": layout.cache_format(self.cache_format(0)).page_bytes(P) / P, "compressed": 0.0, "indexer": 0.0}
         if ratio:
-            page = self.compressed_page_size(ratio)
-            out["compressed"] = per_token(layout.cache_format(self.cache_format(ratio)), P, page)
+            out["compressed"] = layout.cache_format(self.cache_format(ratio)).page_bytes(self.compressed_page_size(ratio)) / P
         if ratio == 4:
-            out["indexer"] = per_token(layout.indexer_format(self.index_format), P, self.compressed_page_size(4))
+            out["indexer"] = layout.indexer_format(self.index_format).page_bytes(self.compressed_page_size(4)) / P
         out["total"] = sum(out.values())
         return out
 

@@ -78,9 +78,6 @@ class Indexer(nn.Module):
         shard_(self.weights_proj, weight=0)
         self.compressor = Compressor(self.head_dim, RATIO, max_requests=cache.max_requests, device=device)
         self.register_buffer("freqs", freqs, persistent=False)
-        if self.head_dim != layout.INDEX_HEAD_DIM:
-            raise ValueError(f"index_head_dim must be {layout.INDEX_HEAD_DIM} (the indexer key cache's "
-                             f"width), got {self.head_dim}")
         self.format = layout.indexer_format(cache.index_format)
         self.page_size = cache.compressed_page_size(RATIO)
         self.register_buffer(

@@ -66,18 +66,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     """V4: the smallest ``e`` with ``2**e >= max(1e-4, amax) / 448``, exactly (``ceil(log2(.))``
     via frexp)."""
-    return _ceil_log2(amax.clamp_min(layout.SCALE_MIN) / layout.FP8_MAX)
+    return layout.ceil_log2(amax.clamp_min(layout.SCALE_MIN) / layout.FP8_MAX)
 
 
 def v41_fp8_exponent(amax: torch.Tensor) -> torch.Tensor:
     """V4.1 FP8: the smallest ``e`` with ``2**e >= max(amax / 448, 1e-4)``, exactly."""
-    return _ceil_log2((amax / layout.FP8_MAX).clamp_min(layout.SCALE_MIN))
-
-
-def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    """``ceil(log2(x))`` of positive fp32 ``x``, exactly (a power of two stays exact)."""
-    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return layout.ceil_log2((amax / layout.FP8_MAX).clamp_min(layout.SCALE_MIN))
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
@@ -158,12 +152,12 @@ def encode_tokens(values: torch.Tensor, fmt: layout.CacheFormat) -> tuple[torch.
     return torch.where(finite, data, nan_data), torch.where(finite, scales, nan_scales)
 
 
-def _store(kvcache, page_size, out_loc, fmt, encode) -> None:
-    """Write ``encode(rows)`` (rows: the selection of the tokens with a non-negative slot) to their
-    slots, a chunk of tokens at a time."""
-    data_records = layout.data_records(kvcache, page_size, fmt)
-    scale_records = layout.scale_records(kvcache, page_size, fmt)
-    step = max(1, CHUNK_BYTES // TOKEN_BYTES)
+def _store(records, page_size, out_loc, encode, token_bytes: int = TOKEN_BYTES) -> None:
+    """Write ``encode(rows)``'s ``(data, scales)`` (rows: the selection of the tokens with a
+    non-negative slot) to their slots of ``records``, views ``[num_pages, P, bytes]`` of a cache's
+    data and scale records, a chunk of tokens (``token_bytes`` of temporaries each) at a time."""
+    data_records, scale_records = records
+    step = max(1, CHUNK_BYTES // token_bytes)
     for start in range(0, out_loc.shape[0], step):
         sl = slice(start, start + step)
         keep = out_loc[sl] >= 0  # negative slots are not written
@@ -177,13 +171,18 @@ def _store(kvcache, page_size, out_loc, fmt, encode) -> None:
         scale_records[page, offset] = scales
 
 
+def _records(kvcache, page_size, fmt):
+    return layout.data_records(kvcache, page_size, fmt), layout.scale_records(kvcache, page_size, fmt)
+
+
 def fused_k_norm_rope_flashmla(kv, kv_weight, freqs, positions, out_loc, kvcache, eps, page_size, kv_format=layout.V4):
-    _store(kvcache, page_size, out_loc, kv_format, lambda rows: encode_tokens(
+    _store(_records(kvcache, page_size, kv_format), page_size, out_loc, lambda rows: encode_tokens(
         normed_rotated(kv[rows], kv_weight, freqs, positions[rows], eps, kv_format), kv_format))
 
 
 def quantize_store(kv, out_loc, kvcache, page_size, kv_format=layout.V4):
-    _store(kvcache, page_size, out_loc, kv_format, lambda rows: encode_tokens(kv[rows].float(), kv_format))
+    _store(_records(kvcache, page_size, kv_format), page_size, out_loc,
+           lambda rows: encode_tokens(kv[rows].float(), kv_format))
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,18 +394,13 @@ def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX
     """The bytes of :func:`layout.quantize_index` of each key at its slot (negative: skipped), in
     blocks of keys whose temporaries fit in :data:`CHUNK_BYTES`."""
     fmt = index_format
-    data, scales = layout.index_records(index_cache, page_size, fmt)
-    step = max(1, CHUNK_BYTES // INDEX_KEY_BYTES)
-    for start in range(0, keys.shape[0], step):
-        at = slots[start : start + step]
-        keep = (at >= 0).nonzero().flatten()
-        if keep.numel() == 0:
-            continue
-        codes, scale = layout.quantize_index(keys[start : start + step][keep], fmt)
-        page, offset = layout.page_and_offset(at[keep], page_size)
-        data[page, offset] = codes.contiguous().view(torch.uint8).view(-1, fmt.data_bytes)
-        if scale is not None:
-            scales[page, offset] = scale.contiguous().view(torch.uint8).view(-1, fmt.scale_bytes)
+
+    def encode(rows):
+        codes, scales = layout.quantize_index(keys[rows], fmt)
+        data = codes.contiguous().view(torch.uint8).view(-1, fmt.data_bytes)
+        return data, data[:, :0] if scales is None else scales.contiguous().view(torch.uint8).view(-1, fmt.scale_bytes)
+
+    _store(layout.index_records(index_cache, page_size, fmt), page_size, slots, encode, INDEX_KEY_BYTES)
 
 
 def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format=layout.INDEX_FP8,

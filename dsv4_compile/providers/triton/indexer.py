@@ -1,5 +1,6 @@
-"""Triton kernels for ``dsv4::indexer_logits`` and ``dsv4::indexer_topk`` on CUDA and XPU
-(provider ``"triton"``).
+"""Triton kernels for ``dsv4::indexer_logits``, ``dsv4::indexer_topk``, ``dsv4::indexer_store``
+and ``dsv4::indexer_cache_logits`` on CUDA and XPU (provider ``"triton"``; the last two: docs/design.md
+§2.11, :func:`indexer_store`, :func:`indexer_cache_logits`).
 
 A program scores ``BLOCK_N`` blocks of one query row at a time (docs/design.md §2.8)::
 
@@ -231,8 +232,6 @@ def _launch_split(logits, k, out, chunk, num_warps) -> None:
 FORMAT_IDS = {"fp32": 0, "fp8": 1, "fp4": 2}
 #: Keys per program of the store (one 128-value row a key); 4 warps.
 STORE_BLOCK_T, STORE_WARPS = 16, 4
-#: The cache logits kernel's geometry: ``BLOCK_N`` blocks a program, ``BLOCK_H`` heads a ``tl.dot``.
-CACHE_BLOCK_N, CACHE_BLOCK_H = 64, 32
 
 
 def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX_FP8):
@@ -258,18 +257,17 @@ def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_
     if tokens == 0 or width == 0:
         return logits
     kernel = _kernels().cache_logits_kernel
-    column_blocks = -(-width // CACHE_BLOCK_N)
-    programs = programs_per_row(q.device, tokens, column_blocks)
+    block_n, block_h, _ = geometry(layout.INDEX_HEAD_DIM, heads)  # the float32 kernel's, at 128 dims
+    programs = programs_per_row(q.device, tokens, -(-width // block_n))
     codes = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
     scales = codes if q_scales is None else q_scales  # not read without fp4
     qs, ss, ws, bs = codes.stride(), scales.stride(), weights.stride(), block_slots.stride()
-    block_h = min(CACHE_BLOCK_H, max(16, triton_common.next_power_of_2(heads)))
     with triton_common.device_guard(q.device):
         triton_common.eager(kernel)[(tokens, programs)](
             codes, scales, weights, index_cache, block_slots, logits,
             heads, width, page_size, index_cache.stride(0),
             qs[0], qs[1], ss[0], ss[1], ws[0], ws[1], bs[0], bs[1], logits.stride()[0],
-            FORMAT=FORMAT_IDS[index_format.values], BLOCK_N=CACHE_BLOCK_N, BLOCK_H=block_h,
+            FORMAT=FORMAT_IDS[index_format.values], BLOCK_N=block_n, BLOCK_H=block_h,
             PRECISION=precision(q.device), HW=triton_common.hardware_conversions(q.device, kernel),
             num_warps=NUM_WARPS,
         )

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .... import layout
 from .attention import _e2m1_values, _e4m3_values
-from .store import _nan_or_fp8
+from .store import _all_finite, _nan_or_fp8
 
 #: Triton reads module globals in a kernel as constexprs only.
 _DIM = tl.constexpr(layout.INDEX_HEAD_DIM)
@@ -224,7 +224,7 @@ def index_store_kernel(
         data = (base + offset * (4 * _DIM)).to(tl.pointer_type(tl.float32))  # 4-byte aligned strides
         tl.store(data[:, None] + d[None, :], x, mask=live[:, None])
     else:
-        finite = tl.sum((tl.abs(x) < float("inf")).to(tl.int32), axis=1) == _DIM  # NaN compares false
+        finite = _all_finite(x, _DIM)
         if FORMAT == FP8:
             amax = tl.max(tl.abs(x), axis=1)
             scale = tl.where(finite, tl.div_rn(tl.maximum(amax, _SCALE_MIN), _FP8_MAX), float("nan"))
@@ -255,8 +255,7 @@ def index_store_kernel(
 
 
 @triton.jit
-def _cache_queries(q_ptr, qs_ptr, t, h, in_heads, q_h, qs_h, FORMAT: tl.constexpr, PRECISION: tl.constexpr,
-                   HW: tl.constexpr):
+def _cache_queries(q_ptr, qs_ptr, t, h, in_heads, q_h, qs_h, FORMAT: tl.constexpr, HW: tl.constexpr):
     """The ``[BLOCK_H, 128]`` query tile of heads ``h`` of row ``t``: float32 (``"fp32"``), else
     bf16 values (exact; times ``2^-8`` for fp8 without ``HW``, ``2^-14`` for fp4)."""
     if FORMAT == FP32:
@@ -322,7 +321,7 @@ def cache_logits_kernel(
         for h0 in range(0, scored_heads, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             in_heads = h < heads
-            qh = _cache_queries(q_ptr, qs_ptr + t * qs_t, t * q_t, h, in_heads, q_h, qs_h, FORMAT, PRECISION, HW)
+            qh = _cache_queries(q_ptr, qs_ptr + t * qs_t, t * q_t, h, in_heads, q_h, qs_h, FORMAT, HW)
             if FORMAT == FP32:
                 scores = tl.dot(qh, tl.trans(key), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
             else:
