@@ -147,6 +147,12 @@ class Checker:
             self.fail(arg, f"a tensor {expected}", t, TypeError)
         self.fail(arg, expected, t, TypeError if t.dtype not in dtypes else ValueError)
 
+    def flag(self, arg: str, value) -> bool:
+        """A ``bool`` argument (e.g. ``batch_invariant``)."""
+        if type(value) is not bool:
+            self.fail(arg, "a bool", value, TypeError)
+        return value
+
     def positive_int(self, arg: str, value) -> int:
         if type(value) is not int or value < 1:  # bool is no int here
             self.fail(arg, "a positive int", value)

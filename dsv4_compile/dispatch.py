@@ -16,6 +16,10 @@ registered for a dispatch key (``CPU``, ``CUDA``, ``XPU``) is :func:`backend_ker
 look up, call. So the dispatcher picks the device, this module picks the provider, and no caller
 ever branches on either.
 
+Batch-invariant mode (:mod:`.invariance`): a call whose ``batch_invariant`` argument is true
+goes only to a provider that declares a batch-invariant kernel for the op (``Provider.invariant``,
+with what it needs of such a call); a provider skipped for that is named in the one warning.
+
 Override: ``DSV4_COMPILE_PROVIDER=reference`` (environment) or ``with use_provider("reference"):``
 forces one provider for every op (or for the ops named). A forced provider that cannot serve a call
 is an error, never a silent substitute. The environment is read at import (by :func:`reset`, once
@@ -35,10 +39,12 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from . import checks, layout
+from . import checks, invariance, layout
 
 #: The ``dsv4`` ops, in the order they were defined (:func:`register_op`).
 OPS: tuple[str, ...] = ()
+#: The ops that take a ``batch_invariant`` argument (the others are row-wise on every provider).
+INVARIANT_OPS: tuple[str, ...] = ()
 REFERENCE = "reference"
 PROVIDER_ENV = "DSV4_COMPILE_PROVIDER"
 #: The decode, and the ops whose schedules only the decode's provider can read: they follow it
@@ -101,6 +107,11 @@ class Provider:
     #: trampoline does not run the metadata checks before them, only after one raises, so that a
     #: malformed call still gets the checks' error (see :func:`backend_kernel`)
     validates: tuple[str, ...] = ()
+    #: the ops (of :data:`INVARIANT_OPS`) whose kernels keep a row's outputs independent of the
+    #: rest of its call when the call's ``batch_invariant`` argument asks (docs/design.md §3), each
+    #: with what it needs of such a call (``None``: any call it serves); a call in the mode does not
+    #: go to a provider without one
+    invariant: Mapping[str, Rule | None] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.priority is None:
@@ -130,13 +141,16 @@ def _key(p: Provider) -> tuple:
     return p.name, p.device_type, p.ops
 
 
-def register_op(op: str) -> None:
-    """Add ``op`` to :data:`OPS` (``ops.registry.define`` does, for each op it defines)."""
-    global OPS
+def register_op(op: str, invariant: bool = False) -> None:
+    """Add ``op`` to :data:`OPS`, and to :data:`INVARIANT_OPS` if it takes a ``batch_invariant``
+    argument (``ops.registry.define`` does, for each op it defines)."""
+    global OPS, INVARIANT_OPS
     with _registry.lock:
         if op not in OPS:
             OPS = (*OPS, op)
             _registry.resolved[op] = {}
+        if invariant and op not in INVARIANT_OPS:
+            INVARIANT_OPS = (*INVARIANT_OPS, op)
 
 
 def register_provider(provider: Provider) -> None:
@@ -187,15 +201,16 @@ def _forget() -> None:
 
 def reset() -> None:
     """Forget cached resolutions and warnings, and re-read the environment
-    (``DSV4_COMPILE_PROVIDER``, ``DSV4_COMPILE_CHECKED``): after changing it, or installing a
-    library at run time (the ``ops`` package calls it at import, once every op is defined).
-    Raises ``ValueError`` for a malformed ``DSV4_COMPILE_PROVIDER``."""
+    (``DSV4_COMPILE_PROVIDER``, ``DSV4_COMPILE_CHECKED``, ``DSV4_COMPILE_BATCH_INVARIANT``): after
+    changing it, or installing a library at run time (the ``ops`` package calls it at import, once
+    every op is defined). Raises ``ValueError`` for a malformed ``DSV4_COMPILE_PROVIDER``."""
     with _registry.lock:
         _forget()
         _registry.warned.clear()
         env = os.environ.get(PROVIDER_ENV, "").strip()
         _registry.env_forced = _parse_override(env) if env else None
         checks.read_environment()
+        invariance.read_environment()
 
 
 def _parse_override(spec: str) -> dict[str, str]:
@@ -275,9 +290,20 @@ def _load(provider: Provider, device: torch.device) -> Mapping[str, Callable]:
     return result
 
 
-def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | None) -> tuple:
+def _mode_rule(provider: Provider, op: str, invariant: bool) -> tuple[bool, Rule | None]:
+    """``(serves, rule)``: whether ``provider`` may serve a call of ``op`` in the batch-invariant
+    mode (``invariant``) or not, and the rule such a call must meet."""
+    if not invariant:
+        return True, provider.rules.get(op)
+    if op not in provider.invariant:
+        return False, None
+    return True, provider.invariant[op] or provider.rules.get(op)
+
+
+def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | None, invariant: bool = False) -> tuple:
     """``(provider, kernel)`` for a call of ``op`` on ``device`` with signature ``call`` (``None``:
-    ignore the rules), forced to provider ``forced`` or not. Not cached; see :func:`_lookup`."""
+    ignore the rules), forced to provider ``forced`` or not, in the batch-invariant mode
+    (``invariant``: the call's ``batch_invariant`` argument) or not. Not cached; see :func:`_lookup`."""
     if op not in OPS:
         raise ValueError(f"unknown dsv4 op {op!r}; expected one of {OPS}")
     candidates = _candidates(device.type, op)
@@ -294,7 +320,14 @@ def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | No
             continue
         if op not in kernels:
             continue
-        rule = provider.rules.get(op)
+        serves, rule = _mode_rule(provider, op, invariant)
+        if not serves:
+            reason = f"{provider.name!r} has no batch-invariant kernel for it"
+            if forced is not None:
+                raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} cannot serve this call: {reason}")
+            skipped.append(reason)
+            ruled_out = True
+            continue
         if call is not None and rule is not None and not rule.accepts(device, call):
             reason = f"{provider.name!r} needs {rule.needs} ({_describe_call(call)})"
             if forced is not None:
@@ -303,10 +336,11 @@ def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | No
             ruled_out = True
             continue
         warn = skipped and (provider.fallback or ruled_out)
-        if warn and (op, device, provider.name) not in _registry.warned:
-            _registry.warned.add((op, device, provider.name))
+        if warn and (op, device, provider.name, invariant) not in _registry.warned:
+            _registry.warned.add((op, device, provider.name, invariant))
+            mode = " in the batch-invariant mode" if invariant else ""
             warnings.warn(
-                f"dsv4.{op} on {device} uses provider {provider.name!r}; skipped " + "; ".join(skipped),
+                f"dsv4.{op} on {device}{mode} uses provider {provider.name!r}; skipped " + "; ".join(skipped),
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -329,26 +363,28 @@ class _Resolution(NamedTuple):
     validates: bool  # the kernel checks the call itself (op in Provider.validates)
 
 
-def _lookup(op: str, device: torch.device, call_type: type, call: tuple) -> _Resolution:
+def _lookup(op: str, device: torch.device, call_type: type, call: tuple, invariant: bool) -> _Resolution:
     """The resolution for a call with signature ``call`` (a plain tuple, the fields of
-    ``call_type``), resolved and cached (the trampolines of :func:`backend_kernel` read the cache
-    directly: one dict lookup per call once resolved)."""
+    ``call_type``), in the batch-invariant mode or not, resolved and cached (the trampolines of
+    :func:`backend_kernel` read the cache directly: one dict lookup per call once resolved)."""
     forced = _local.forced or _registry.env_forced
     name = forced.get(op) if forced else None
     table = _registry.resolved[op]
-    key = (device, call, name)
+    key = (device, call, name, invariant)
     hit = table.get(key)
     if hit is None:
-        provider, kernel = _resolve(op, device, call_type(*call), name)
+        provider, kernel = _resolve(op, device, call_type(*call), name, invariant)
         hit = table[key] = _Resolution(kernel, provider.checks_data, op in provider.validates)
     return hit
 
 
-def resolve(op: str, device: torch.device, call: tuple | None = None) -> tuple[str, Callable]:
+def resolve(op: str, device: torch.device, call: tuple | None = None, batch_invariant: bool = False) -> tuple[str, Callable]:
     """The provider name and kernel that serve ``op`` on ``device`` under the current override,
-    for a call with signature ``call`` (``OpSpec.call``; ``None``: a call every rule accepts)."""
+    for a call with signature ``call`` (``OpSpec.call``; ``None``: a call every rule accepts) and
+    ``batch_invariant`` argument (ignored for an op without one)."""
     forced = forced_providers()
-    provider, kernel = _resolve(op, device, call, forced.get(op) if forced else None)
+    invariant = batch_invariant and op in INVARIANT_OPS
+    provider, kernel = _resolve(op, device, call, forced.get(op) if forced else None, invariant)
     return provider.name, kernel
 
 
@@ -361,25 +397,30 @@ def _default_device(device) -> torch.device:
     return device
 
 
-def providers(device: torch.device | str | None = None) -> dict[str, str]:
+def providers(device: torch.device | str | None = None, batch_invariant: bool | None = None) -> dict[str, str]:
     """Which provider serves each op on ``device`` (default: CUDA if present, else CPU), for the
-    calls its rules accept (:func:`provider_chain` says which, and who serves the others).
+    calls its rules accept (:func:`provider_chain` says which, and who serves the others), in the
+    batch-invariant mode if ``batch_invariant`` (``None``: the switch, :mod:`.invariance`).
 
     Resolving may import provider libraries, but runs no kernel.
     """
     device = _default_device(device)
+    mode = invariance.resolve(batch_invariant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return {op: resolve(op, device)[0] for op in OPS}
+        return {op: resolve(op, device, batch_invariant=mode)[0] for op in OPS}
 
 
-def provider_chain(device: torch.device | str | None = None) -> dict[str, list[tuple[str, str]]]:
+def provider_chain(device: torch.device | str | None = None, batch_invariant: bool | None = None) -> dict[str, list[tuple[str, str]]]:
     """Per op, the available providers on ``device`` in the order they are tried, each with what
-    it needs of a call (``"any call"``), down to the first that takes any call. E.g. on XPU:
+    it needs of a call (``"any call"``), down to the first that takes any call; in the
+    batch-invariant mode if ``batch_invariant`` (``None``: the switch), where the providers without
+    a batch-invariant kernel for an op are left out. E.g. on XPU:
     ``{"fused_k_norm_rope_flashmla": [("sgl_kernel_xpu", "page_size a power of two"),
     ("triton", "any call")], ...}``."""
     device = _default_device(device)
     forced = forced_providers()
+    mode = invariance.resolve(batch_invariant)
     chain = {}
     for op in OPS:
         name = forced.get(op) if forced else None
@@ -392,7 +433,9 @@ def provider_chain(device: torch.device | str | None = None) -> dict[str, list[t
                     continue
             except ProviderUnavailable:
                 continue
-            rule = provider.rules.get(op)
+            serves, rule = _mode_rule(provider, op, mode and op in INVARIANT_OPS)
+            if not serves:
+                continue
             rows.append((provider.name, "any call" if rule is None else rule.needs))
             if rule is None:
                 break
@@ -456,6 +499,7 @@ def backend_kernel(
     check_data: Callable,
     call: tuple[type, Callable[..., tuple]],
     grad_args: tuple[tuple[int, str], ...],
+    invariant_at: int | None = None,
     entry: tuple[Callable, tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> Callable:
     """The kernel registered for one dispatch key: validate, find the provider kernel, call it.
@@ -470,9 +514,10 @@ def backend_kernel(
 
     * inference only: under grad mode, the inputs at ``grad_args`` (``(index, name)``) must not
       require grad (the op has no backward; the Autograd key falls through to here);
-    * the provider kernel for the device and the call's signature (``call``: its type and
-      ``fields(*args)``, a plain tuple), one dict lookup (the first call of a signature is checked,
-      then resolved);
+    * the provider kernel for the device, the call's signature (``call``: its type and
+      ``fields(*args)``, a plain tuple) and its ``batch_invariant`` argument (at ``invariant_at``;
+      ``None``: the op has none), one dict lookup (the first call of a signature is checked, then
+      resolved);
     * ``check(*args)``: the metadata checks (dtypes, shapes, devices, geometry; no data read).
       For a provider kernel that checks the call itself (``Provider.validates``) they run only if
       it raises (and outside checked mode), to replace its error with theirs when the call is
@@ -512,13 +557,14 @@ def backend_kernel(
             if device_type is not None and device.type != device_type:
                 device = torch.device(device_type, device.index if device.index is not None else 0)
             forced = _local.forced or _registry.env_forced
-            hit = table.get((device, call_fields(*args), forced.get(op) if forced else None))
+            invariant = invariant_at is not None and args[invariant_at] is True
+            hit = table.get((device, call_fields(*args), forced.get(op) if forced else None, invariant))
         except Exception:
             check(*args)  # a malformed call: its error
             raise
         if hit is None:  # a new call signature: checked before any provider is loaded for it
             check(*args)
-            hit = _lookup(op, device, call_type, call_fields(*args))
+            hit = _lookup(op, device, call_type, call_fields(*args), invariant)
         provider_kernel, data, validates = hit
         if data or checked_mode():
             check(*args)

@@ -97,7 +97,6 @@ def test_flash_mla_v41_views_name_their_format(use_legacy, formats):
     (dict(causal=True), "causal must be False"),
     (dict(is_fp8_kvcache=False), "is_fp8_kvcache must be None or True"),
     (dict(indices=None), "indices must be given"),
-    (dict(enable_batch_invariant=True), "enable_batch_invariant"),
     (dict(descale_q=torch.ones(1)), "descale_q"),
     (dict(kv_format="V32"), "kv_format must be None or name the 584-byte tokens"),
     (dict(num_splits=torch.zeros(3, dtype=torch.int32)), "num_splits must be None with a FlashMLASchedMeta"),

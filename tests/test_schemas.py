@@ -26,13 +26,13 @@ class TestSchemas(expecttest.TestCase):
     def test_decode(self):
         self.assertExpectedInline(
             schema("flash_mla_with_kvcache"),
-            """dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format="v4", str? extra_kv_format=None) -> (Tensor out, Tensor lse)""",
+            """dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, int page_size, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format="v4", str? extra_kv_format=None, bool batch_invariant=False) -> (Tensor out, Tensor lse)""",
         )
 
     def test_prefill(self):
         self.assertExpectedInline(
             schema("flash_mla_sparse_fwd"),
-            """dsv4::flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, Tensor? topk_length=None) -> (Tensor out, Tensor max_logits, Tensor lse)""",
+            """dsv4::flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, Tensor? topk_length=None, bool batch_invariant=False) -> (Tensor out, Tensor max_logits, Tensor lse)""",
         )
 
     def test_metadata(self):
@@ -50,7 +50,7 @@ class TestSchemas(expecttest.TestCase):
     def test_indexer_logits(self):
         self.assertExpectedInline(
             schema("indexer_logits"),
-            """dsv4::indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor""",
+            """dsv4::indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots, bool batch_invariant=False) -> Tensor""",
         )
 
     def test_indexer_topk(self):
@@ -68,7 +68,7 @@ class TestSchemas(expecttest.TestCase):
     def test_indexer_cache_logits(self):
         self.assertExpectedInline(
             schema("indexer_cache_logits"),
-            """dsv4::indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, int page_size, str index_format="fp8", Tensor? q_scales=None) -> Tensor""",
+            """dsv4::indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, int page_size, str index_format="fp8", Tensor? q_scales=None, bool batch_invariant=False) -> Tensor""",
         )
 
     def test_rope_(self):

@@ -25,9 +25,12 @@ Upstream's arguments:
 * checked as upstream documents: ``num_splits`` (``None`` with a scheduler object), ``causal``
   (``False``), ``is_fp8_kvcache`` (``None`` or ``True``: the DSV4 caches are quantized);
 * ignored, as upstream ignores them: ``block_table``, ``cache_seqlens``;
-* rejected: dense decoding (``indices=None``), ``enable_batch_invariant=True`` (no provider
-  promises batch-invariant splits), ``descale_q`` / ``descale_k`` (dense FP8 only), the V3.2
-  ``kv_format`` values.
+* ``enable_batch_invariant=True``: the ``dsv4`` batch-invariant mode for this call (a row's
+  outputs independent of the batch, docs/design.md §3; FlashMLA's own flag on the current kernels,
+  our Triton decode elsewhere); ``False`` (the default): the process-wide switch
+  (``dsv4_compile.batch_invariant()``) decides, as for every ``dsv4`` wrapper;
+* rejected: dense decoding (``indices=None``), ``descale_q`` / ``descale_k`` (dense FP8 only), the
+  V3.2 ``kv_format`` values.
 
 Under ``torch.compile(fullgraph=True)`` these functions trace into the ``dsv4`` ops; a scheduler
 object must have been filled before tracing (or pass ``None``, or the metadata tensors): filling it
@@ -42,7 +45,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import layout, ops
+from .. import invariance, layout, ops
 
 LOG2E = math.log2(math.e)
 #: upstream's ``kv_format`` values that name a DSV4 cache (the legacy kernels' spelling), by the
@@ -164,26 +167,26 @@ def flash_mla_with_kvcache(
         raise ValueError("causal must be False: sparse decoding has no causal mask")
     if is_fp8_kvcache is False:
         raise ValueError("is_fp8_kvcache must be None or True: the DSV4 caches are quantized")
-    if enable_batch_invariant:
-        raise ValueError("enable_batch_invariant=True is not supported: no dsv4 provider promises batch-invariant splits")
     if descale_q is not None or descale_k is not None:
         raise ValueError("descale_q/descale_k must be None (they apply to dense FP8 decoding only)")
     return sparse_decode(
         q, k_cache, extra_k_cache, indices, extra_indices_in_kvcache, topk_length,
         extra_topk_length if extra_k_cache is not None else None, attn_sink, tile_scheduler_metadata,
         num_splits, softmax_scale, head_dim_v, use_legacy=use_legacy, kv_format=kv_format,
+        batch_invariant=True if enable_batch_invariant else None,
     )
 
 
 def sparse_decode(
     q, k_cache, extra_k_cache, indices, extra_indices, topk_length, extra_topk_length, attn_sink,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, *, use_legacy: bool,
-    kv_format: Optional[str] = None, out_of_range_holes: bool = False,
+    kv_format: Optional[str] = None, out_of_range_holes: bool = False, batch_invariant: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The decode both interfaces share, once their own arguments are checked: cache views to base
     caches, formats named, the schedule resolved, ``dsv4::flash_mla_with_kvcache`` called.
     ``out_of_range_holes``: indices outside ``[0, capacity)`` become ``-1`` (sgl-kernel-xpu's
-    convention; one elementwise op, no sync)."""
+    convention; one elementwise op, no sync). ``batch_invariant``: the op's argument (``None``: the
+    switch)."""
     cache, page_size, token = layout.cache_from_view(k_cache, "k_cache")
     if out_of_range_holes:
         indices = holes(indices, layout.capacity(cache, page_size))
@@ -199,7 +202,7 @@ def sparse_decode(
         causal=False, is_fp8_kvcache=True, topk=indices.shape[-1],
         extra_page_block_size=extra["extra_page_size"] if extra_k_cache is not None else None,
         extra_topk=None if extra_indices is None else extra_indices.shape[-1],
-        enable_batch_invariant=False,
+        enable_batch_invariant=invariance.resolve(batch_invariant),
     )
     meta, splits = resolve_schedule(
         tile_scheduler_metadata, num_splits, q, indices, topk_length, extra_indices,
@@ -210,7 +213,8 @@ def sparse_decode(
         extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         tile_scheduler_metadata=meta, num_splits=splits,
         softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale,
-        head_dim_v=head_dim_v, kv_format=cache_format(token, use_legacy, kv_format, "k_cache"), **extra,
+        head_dim_v=head_dim_v, kv_format=cache_format(token, use_legacy, kv_format, "k_cache"),
+        batch_invariant=batch_invariant, **extra,
     )
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import layout
+from .. import invariance, layout
 from .compressor import Compressor, StepTokens
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import StepMetadata
@@ -112,7 +112,7 @@ class Indexer(nn.Module):
         # only the visible blocks' keys are read (the op; -inf where a block is not visible);
         # -inf summed over ranks stays -inf
         logits = torch.ops.dsv4.indexer_cache_logits(
-            q, weights, self.key_cache, plan.block_slots, self.page_size, name, q_scales
+            q, weights, self.key_cache, plan.block_slots, self.page_size, name, q_scales, invariance.enabled()
         )
         return self.select(self.tp.all_reduce(logits), plan.lengths), tokens
 

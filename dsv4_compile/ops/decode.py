@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import dispatch, layout
+from .. import dispatch, invariance, layout
 from ..checks import BF16, F32, I32, MAX_INDEX_WIDTH, Checker, counted_mask
 from .registry import OpSpec, define
 
@@ -68,6 +68,7 @@ def check_decode(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+    batch_invariant=False,
 ) -> tuple[int, int, int]:
     c = _DECODE
     c.same_device(
@@ -114,6 +115,7 @@ def check_decode(
         c.fail("head_dim_v", f"{layout.HEAD_DIM} (V is the full key)", head_dim_v)
     if type(softmax_scale) is not float:
         c.fail("softmax_scale", "a float", softmax_scale, TypeError)
+    c.flag("batch_invariant", batch_invariant)
     return batch, s_q, heads
 
 
@@ -121,6 +123,7 @@ def check_decode_data(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+    batch_invariant=False,
 ) -> None:
     c = _DECODE
     c.lengths_within("topk_length", topk_length, indices.shape[-1])
@@ -134,7 +137,7 @@ def check_decode_data(
 def _decode_call(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
+    tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format, batch_invariant,
 ):
     if extra_k_cache is None:
         return page_size, k_cache.stride(0), 0, 0, kv_format, None
@@ -147,7 +150,7 @@ _DECODE_OP = define(OpSpec(
         "Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, int extra_page_size, "
         "Tensor? extra_indices, Tensor? extra_topk_length, Tensor? tile_scheduler_metadata, "
         "Tensor? num_splits, float softmax_scale, int head_dim_v, str kv_format=\"v4\", "
-        "str? extra_kv_format=None) -> (Tensor out, Tensor lse)"
+        "str? extra_kv_format=None, bool batch_invariant=False) -> (Tensor out, Tensor lse)"
     ),
     check=check_decode,
     check_data=check_decode_data,
@@ -176,6 +179,7 @@ def flash_mla_with_kvcache(
     head_dim_v: int = layout.HEAD_DIM,
     kv_format: str = "v4",
     extra_kv_format: str | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode over paged quantized caches; returns ``out [B, s_q, H, 512]`` bf16 and
     ``lse [B, H, s_q]`` fp32 (natural log, sink excluded). docs/design.md §2.3.
@@ -197,6 +201,8 @@ def flash_mla_with_kvcache(
         head_dim_v: 512 (V is the full key).
         kv_format: the format of ``k_cache`` (default ``"v4"``; FP4 serves only as the extra cache).
         extra_kv_format: the format of ``extra_k_cache`` (``None``: ``kv_format``).
+        batch_invariant: a row's outputs independent of the rest of the batch, bit for bit
+            (docs/design.md §3); ``None``: the switch (:func:`dsv4_compile.batch_invariant`).
     """
     if softmax_scale is None:
         softmax_scale = layout.HEAD_DIM**-0.5
@@ -204,6 +210,7 @@ def flash_mla_with_kvcache(
         q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, float(softmax_scale), head_dim_v, kv_format, extra_kv_format,
+        invariance.resolve(batch_invariant),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
+from .. import invariance, layout
 from ..checks import F32, INDEX_DTYPES, Checker
 from .registry import OpSpec, define
 
@@ -31,7 +31,7 @@ _INDEXER = Checker("indexer_logits")
 _INDEXER_TENSORS = ("q", "weights", "keys", "block_slots")
 
 
-def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
+def check_indexer_logits(q, weights, keys, block_slots, batch_invariant=False) -> tuple[int, int, int]:
     c = _INDEXER
     c.same_device(_INDEXER_TENSORS, q, weights, keys, block_slots)
     tokens, heads, dim = c.tensor("q", q, F32, (None, None, None))
@@ -40,15 +40,16 @@ def check_indexer_logits(q, weights, keys, block_slots) -> tuple[int, int, int]:
     c.tensor("weights", weights, F32, (tokens, heads))
     c.tensor("keys", keys, F32, (None, dim))
     width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, INDEX_DTYPES, (tokens, None)))
+    c.flag("batch_invariant", batch_invariant)
     return tokens, heads, width
 
 
-def check_indexer_logits_data(q, weights, keys, block_slots) -> None:
+def check_indexer_logits_data(q, weights, keys, block_slots, batch_invariant=False) -> None:
     _INDEXER.slots_valid("block_slots", block_slots, keys.shape[0], cap_name="keys.shape[0]")
 
 
 _INDEXER_LOGITS_OP = define(OpSpec(
-    schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots) -> Tensor",
+    schema="indexer_logits(Tensor q, Tensor weights, Tensor keys, Tensor block_slots, bool batch_invariant=False) -> Tensor",
     check=check_indexer_logits,
     check_data=check_indexer_logits_data,
     outputs=indexer_logits_output,
@@ -61,6 +62,7 @@ def indexer_logits(
     weights: torch.Tensor,
     keys: torch.Tensor,
     block_slots: torch.Tensor,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor:
     """The lightning indexer's block logits: ``logits [T, M]`` float32 with
     ``logits[t, k] = sum_h weights[t, h] * relu(<q[t, h], keys[block_slots[t, k]]>)`` where
@@ -71,10 +73,12 @@ def indexer_logits(
         weights: ``[T, H]`` float32 head weights (scales included).
         keys: ``[S, D]`` float32 key buffer, one row per compressed-block slot.
         block_slots: ``[T, M]`` int32/int64: the slot of each query's ``k``-th block, or ``-1``.
+        batch_invariant: a row's logits independent of the other rows, bit for bit
+            (docs/design.md §3); ``None``: the switch (:func:`dsv4_compile.batch_invariant`).
 
     Only the referenced rows of ``keys`` are read; a query's cost follows its visible blocks.
     """
-    return _INDEXER_LOGITS_OP.run(q, weights, keys, block_slots)
+    return _INDEXER_LOGITS_OP.run(q, weights, keys, block_slots, invariance.resolve(batch_invariant))
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ _QUERY_DTYPES = {"fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp4": torch
 
 
 def check_indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format="fp8",
-                               q_scales=None) -> tuple[int, int, int]:
+                               q_scales=None, batch_invariant=False) -> tuple[int, int, int]:
     c = _CACHE_LOGITS
     c.same_device(_CACHE_LOGITS_TENSORS, q, weights, index_cache, block_slots, q_scales)
     fmt = c.index_format("index_format", index_format)
@@ -211,18 +215,19 @@ def check_indexer_cache_logits(q, weights, index_cache, block_slots, page_size, 
     c.tensor("weights", weights, F32, (tokens, heads))
     c.index_cache("index_cache", index_cache, c.positive_int("page_size", page_size), fmt)
     width = c.width("block_slots", block_slots, c.tensor("block_slots", block_slots, INDEX_DTYPES, (tokens, None)))
+    c.flag("batch_invariant", batch_invariant)
     return tokens, heads, width
 
 
 def check_indexer_cache_logits_data(q, weights, index_cache, block_slots, page_size, index_format="fp8",
-                                    q_scales=None) -> None:
+                                    q_scales=None, batch_invariant=False) -> None:
     _CACHE_LOGITS.slots_valid("block_slots", block_slots, layout.capacity(index_cache, page_size))
 
 
 _CACHE_LOGITS_OP = define(OpSpec(
     schema=(
         "indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, "
-        "int page_size, str index_format=\"fp8\", Tensor? q_scales=None) -> Tensor"
+        "int page_size, str index_format=\"fp8\", Tensor? q_scales=None, bool batch_invariant=False) -> Tensor"
     ),
     check=check_indexer_cache_logits,
     check_data=check_indexer_cache_logits_data,
@@ -240,6 +245,7 @@ def indexer_cache_logits(
     page_size: int,
     index_format: str = "fp8",
     q_scales: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor:
     """The lightning indexer's block logits over a paged indexer key cache (docs/design.md
     §2.11): ``logits [T, M]`` float32 with ``logits[t, k] = sum_h weights[t, h] * relu(<q̂[t, h],
@@ -257,7 +263,10 @@ def indexer_cache_logits(
         page_size: keys per page of ``index_cache``.
         index_format: the cache's format (``layout.INDEX_FORMATS``).
         q_scales: ``"fp4"`` only: the queries' UE8M0 bytes ``[T, H, 4]`` uint8.
+        batch_invariant: a row's logits independent of the other rows, bit for bit
+            (docs/design.md §3); ``None``: the switch (:func:`dsv4_compile.batch_invariant`).
 
     Only the referenced keys are read; a query's cost follows its visible blocks.
     """
-    return _CACHE_LOGITS_OP.run(q, weights, index_cache, block_slots, page_size, index_format, q_scales)
+    return _CACHE_LOGITS_OP.run(q, weights, index_cache, block_slots, page_size, index_format, q_scales,
+                                invariance.resolve(batch_invariant))

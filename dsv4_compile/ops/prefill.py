@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
+from .. import invariance, layout
 from ..checks import BF16, F32, I32, Checker
 from .registry import OpSpec, define
 
@@ -23,7 +23,7 @@ _PREFILL = Checker("flash_mla_sparse_fwd")
 _PREFILL_TENSORS = ("q", "kv", "indices", "attn_sink", "topk_length")
 
 
-def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tuple[int, int]:
+def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False) -> tuple[int, int]:
     c = _PREFILL
     c.same_device(_PREFILL_TENSORS, q, kv, indices, attn_sink, topk_length)
     s_q, heads, d_qk = c.tensor("q", q, BF16, (None, None, None))
@@ -39,17 +39,18 @@ def check_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> tupl
         c.fail("d_v", f"{layout.HEAD_DIM} (V is the key's first 512 dims)", d_v)
     if type(sm_scale) is not float:
         c.fail("sm_scale", "a float", sm_scale, TypeError)
+    c.flag("batch_invariant", batch_invariant)
     return s_q, heads
 
 
-def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> None:
+def check_prefill_data(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False) -> None:
     _PREFILL.lengths_within("topk_length", topk_length, indices.shape[-1])
 
 
 _PREFILL_OP = define(OpSpec(
     schema=(
         "flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
-        "Tensor? attn_sink=None, Tensor? topk_length=None) "
+        "Tensor? attn_sink=None, Tensor? topk_length=None, bool batch_invariant=False) "
         "-> (Tensor out, Tensor max_logits, Tensor lse)"
     ),
     check=check_prefill,
@@ -67,6 +68,7 @@ def flash_mla_sparse_fwd(
     d_v: int = layout.HEAD_DIM,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse prefill over a bf16 workspace; returns ``(out, max_logits, lse)`` (natural log).
 
@@ -78,5 +80,8 @@ def flash_mla_sparse_fwd(
         d_v: 512 (V is the full key).
         attn_sink: ``[H]`` float32 sink logits, or ``None``.
         topk_length: ``[s_q]`` int32 counted entries per query, or ``None``.
+        batch_invariant: a query's outputs independent of the other queries, bit for bit
+            (docs/design.md §3); ``None``: the switch (:func:`dsv4_compile.batch_invariant`).
     """
-    return _PREFILL_OP.run(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+    return _PREFILL_OP.run(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length,
+                           invariance.resolve(batch_invariant))

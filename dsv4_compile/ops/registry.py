@@ -5,7 +5,9 @@ the fake (the op's metadata checks, then empty outputs of its geometry); one ker
 key, ``CPU``, ``CUDA``, ``XPU`` and ``CompositeExplicitAutograd`` for any other device, each
 :func:`dispatch.backend_kernel`'s trampoline into the provider that serves the call; and an
 ``Autograd`` fallthrough (the ops have no backward: the trampoline rejects inputs that require
-grad). It adds the op to ``dispatch.OPS`` and returns the :class:`Op`, whose :attr:`Op.run` the
+grad). An argument ``bool batch_invariant`` marks an op whose kernels may depend on the rest of
+the batch unless asked not to (docs/design.md §3): the trampoline resolves such a call among the
+providers with a batch-invariant kernel. It adds the op to ``dispatch.OPS`` and returns the :class:`Op`, whose :attr:`Op.run` the
 op's public wrapper calls. What a call needs of the schema (defaults, which arguments are tensors,
 which may require grad, which name a cache format) is derived here, once, so the per-call path
 parses nothing.
@@ -28,6 +30,9 @@ NAMESPACE = "dsv4"
 SCHEMAS: dict[str, str] = {}
 #: Each defined op, by name.
 DEFINED: dict[str, Op] = {}
+
+#: The argument that asks an op for the batch-invariant mode (:mod:`dsv4_compile.invariance`).
+INVARIANT_ARG = "batch_invariant"
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
 _TENSOR = torch._C.OptionalType.ofTensor()  # Tensor and Tensor? are its subtypes
@@ -78,6 +83,7 @@ class Op:
     overload: torch._ops.OpOverload  # torch.ops.dsv4.<name>.default
     defaults: tuple  # per argument, its schema default (None where it has none)
     formats: tuple[int, ...]  # the positions of the arguments that name a cache format
+    names: tuple[str, ...]  # the schema's argument names
     #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper; in
     #: plain eager use (``dispatch.direct_call_allowed``) the kernels' path (``dispatch.backend_kernel``)
     #: without the dispatcher's round trip, else :attr:`overload`
@@ -91,6 +97,10 @@ class Op:
         """The call signature (``spec.call``) of a call with ``args`` (:meth:`arguments`)."""
         fields = self.spec.call_fields
         return self.spec.call(*(fields(*args) if fields else ()))
+
+    def invariant(self, args: tuple) -> bool:
+        """Whether a call with ``args`` (:meth:`arguments`) asks for the batch-invariant mode."""
+        return INVARIANT_ARG in self.names and args[self.names.index(INVARIANT_ARG)] is True
 
 
 def define(spec: OpSpec) -> Op:
@@ -115,9 +125,11 @@ def define(spec: OpSpec) -> Op:
     fake = _fake(spec.check, spec.outputs, tuple(names.index(arg) for arg in outputs), defaults, formats)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
 
-    dispatch.register_op(name)
+    invariant_at = names.index(INVARIANT_ARG) if INVARIANT_ARG in names else None
+    dispatch.register_op(name, invariant=invariant_at is not None)
     grad_args = tuple((i, arg) for i, arg in enumerate(names) if arg in spec.float_inputs)
-    parts = (defaults, formats, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args)
+    parts = (defaults, formats, spec.check, spec.check_data, (spec.call, spec.call_fields or _no_fields), grad_args,
+             invariant_at)
     for key in ("CPU", "CUDA", "XPU"):
         _lib.impl(name, dispatch.backend_kernel(name, key.lower(), *parts), key)
     _lib.impl(name, dispatch.backend_kernel(name, None, *parts), "CompositeExplicitAutograd")
@@ -131,7 +143,7 @@ def define(spec: OpSpec) -> Op:
     )
     run = dispatch.backend_kernel(name, None, *parts, entry=(overload, tensors, tensor_lists))
     SCHEMAS[name] = spec.schema
-    DEFINED[name] = Op(name, spec, overload, defaults, formats, run)
+    DEFINED[name] = Op(name, spec, overload, defaults, formats, names, run)
     return DEFINED[name]
 
 

@@ -4,6 +4,11 @@ They serve CPU tensors, and any device no other provider serves. They are writte
 exactness first (fp32 math, the formulas of docs/design.md §2), vectorised over tokens, and chunked
 over tokens, query rows and keys so memory stays bounded (:data:`CHUNK_BYTES`) whatever the sizes.
 
+In the batch-invariant mode (the ``batch_invariant`` argument of the attention and indexer-logit
+kernels) they take one query row at a time, copied to a fresh (aligned) tensor: every product and
+sum of a row then has the same shapes and the same alignment whatever the batch, so a row's bits
+cannot follow the library's choice of kernel for a batch's shapes (:func:`_row_steps`).
+
 Arguments arrive validated: the op's kernel runs its checks (``OpSpec.check``, in the op's module
 under ``ops/``) before any provider, data checks included (``OpSpec.check_data``: slots in range,
 lengths <= widths) — always on CPU, where reading values is free, and in checked mode elsewhere.
@@ -232,6 +237,18 @@ def sparse_attention(
     return acc * factor[..., None], m, lse
 
 
+def _row_steps(rows: int, step: int, batch_invariant: bool):
+    """Slices of ``rows`` of ``step`` rows; of one row each in the batch-invariant mode."""
+    step = 1 if batch_invariant else step
+    return (slice(start, start + step) for start in range(0, rows, step))
+
+
+def _rows(x: torch.Tensor, sl: slice, batch_invariant: bool) -> torch.Tensor:
+    """``x[sl]``; in the batch-invariant mode a fresh copy (the allocator aligns it, whatever the
+    row's offset in ``x``)."""
+    return x[sl].clone() if batch_invariant else x[sl]
+
+
 def _plan(rows: int, width: int, heads: int) -> tuple[int, int]:
     """``(rows, keys)`` per step so that a step's temporaries stay within :data:`CHUNK_BYTES`:
     up to 1024 keys per block, then as many rows as fit (at least one)."""
@@ -262,6 +279,7 @@ def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+    batch_invariant=False,
 ):
     batch, s_q, heads = q.shape[:3]
     rows = batch * s_q
@@ -281,10 +299,9 @@ def flash_mla_with_kvcache(
     step, keys = _plan(rows, max(c[3].shape[1] for c in caches), heads)
     q_rows = q.reshape(rows, heads, layout.HEAD_DIM)
     out_rows, lse_rows = out.view(rows, heads, head_dim_v), lse.transpose(1, 2).view(rows, heads)
-    for start in range(0, rows, step):
-        sl = slice(start, start + step)
+    for sl in _row_steps(rows, step, batch_invariant):
         blocks = (block for c, p, f, i, n in caches for block in _blocks(c, p, f, i, n, sl, keys))
-        o, _, l = sparse_attention(q_rows[sl], blocks, softmax_scale, attn_sink)
+        o, _, l = sparse_attention(_rows(q_rows, sl, batch_invariant), blocks, softmax_scale, attn_sink)
         out_rows[sl] = o[..., :head_dim_v].to(out.dtype)
         lse_rows[sl] = l
     return out, lse
@@ -308,7 +325,7 @@ def get_mla_metadata_stacked(q, topk, topk_length, extra_topk, extra_topk_length
 # --------------------------------------------------------------------------------------------
 
 
-def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False):
     s_q, heads = q.shape[:2]
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
@@ -328,9 +345,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
             yield kv_rows[torch.where(valid, block, 0).long()], valid
 
     step, keys = _plan(s_q, idx.shape[1], heads)
-    for start in range(0, s_q, step):
-        sl = slice(start, start + step)
-        o, m, l = sparse_attention(q[sl], blocks(sl, keys), sm_scale, attn_sink)
+    for sl in _row_steps(s_q, step, batch_invariant):
+        o, m, l = sparse_attention(_rows(q, sl, batch_invariant), blocks(sl, keys), sm_scale, attn_sink)
         out[sl] = o[..., :d_v].to(out.dtype)
         max_logits[sl], lse[sl] = m, l
     return out, max_logits, lse
@@ -340,7 +356,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 # indexer_logits (the lightning indexer's block scores)
 # --------------------------------------------------------------------------------------------
 
-def indexer_logits(q, weights, keys, block_slots):
+def indexer_logits(q, weights, keys, block_slots, batch_invariant=False):
     """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], keys[slot]>)``, ``-inf`` where the slot is
     ``-1`` (:func:`_block_logits`)."""
     if keys.shape[0] == 0:  # every slot is -1 (data checks): nothing is visible
@@ -349,15 +365,16 @@ def indexer_logits(q, weights, keys, block_slots):
     def gather(slots, out):
         torch.index_select(keys, 0, slots, out=out)
 
-    return _block_logits(q, weights, block_slots, gather, 0)
+    return _block_logits(q, weights, block_slots, gather, 0, batch_invariant)
 
 
-def _block_logits(q, weights, block_slots, gather, key_bytes: int):
+def _block_logits(q, weights, block_slots, gather, key_bytes: int, batch_invariant: bool = False):
     """``logits[t, k] = sum_h w[t, h] relu(<q[t, h], key(slot)>)``, ``-inf`` where the slot is
     ``-1``, float32, ``gather(slots, out)`` writing the float32 keys of ``slots >= 0`` into ``out``
     (``key_bytes``: the temporaries it holds per key): in blocks of rows and columns whose gathered
     keys and scores (two buffers allocated once and reused, so the peak does not depend on the
-    allocator's reuse of freed blocks) fit in :data:`CHUNK_BYTES`."""
+    allocator's reuse of freed blocks) fit in :data:`CHUNK_BYTES`; one row at a time in the
+    batch-invariant mode (:func:`_row_steps`)."""
     tokens, heads, dim = q.shape
     width = block_slots.shape[1]
     logits = indexer_logits_output(q, block_slots)
@@ -366,18 +383,18 @@ def _block_logits(q, weights, block_slots, gather, key_bytes: int):
     # a gathered key and a score per head (float32); slot, mask, sum; the gather's temporaries
     per_entry = 4 * (dim + heads) + 24 + key_bytes
     cols = max(1, min(width, CHUNK_BYTES // per_entry))
-    rows = max(1, min(tokens, CHUNK_BYTES // (per_entry * cols)))
+    rows = 1 if batch_invariant else max(1, min(tokens, CHUNK_BYTES // (per_entry * cols)))
     gathered, scores = q.new_empty(rows * cols * dim), q.new_empty(rows * heads * cols)
-    for t in range(0, tokens, rows):
-        qt, wt = q[t : t + rows], weights[t : t + rows, :, None]
+    for sl in _row_steps(tokens, rows, batch_invariant):
+        qt, wt = _rows(q, sl, batch_invariant), _rows(weights, sl, batch_invariant)[:, :, None]
         for k in range(0, width, cols):
-            slots = block_slots[t : t + rows, k : k + cols]
+            slots = block_slots[sl, k : k + cols]
             n, c = slots.shape
             keys_nc = gathered[: n * c * dim].view(n, c, dim)
             gather(slots.clamp_min(0).flatten(), keys_nc.view(n * c, dim))
             s = torch.bmm(qt, keys_nc.transpose(1, 2), out=scores[: n * heads * c].view(n, heads, c))
             block = s.relu_().mul_(wt).sum(1)  # [n, c]
-            logits[t : t + rows, k : k + c] = block.masked_fill_(slots < 0, float("-inf"))
+            logits[sl, k : k + c] = block.masked_fill_(slots < 0, float("-inf"))
     return logits
 
 
@@ -404,7 +421,7 @@ def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX
 
 
 def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format=layout.INDEX_FP8,
-                         q_scales=None):
+                         q_scales=None, batch_invariant=False):
     """:func:`_block_logits` of the dequantized queries against the dequantized keys
     (:func:`layout.dequant_index`: exact; then float32 products and sums)."""
     queries = layout.dequant_index(q, q_scales, index_format)
@@ -412,7 +429,7 @@ def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_
     def gather(slots, out):
         out.copy_(layout.gather_index_keys(index_cache, page_size, slots, index_format))
 
-    return _block_logits(queries, weights, block_slots, gather, INDEX_KEY_BYTES)
+    return _block_logits(queries, weights, block_slots, gather, INDEX_KEY_BYTES, batch_invariant)
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,4 +496,5 @@ KERNELS = {
 
 dispatch.register_provider(dispatch.Provider(
     dispatch.REFERENCE, "*", lambda device: KERNELS, fallback=True, checks_data=True,
+    invariant=dict.fromkeys(("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "indexer_logits", "indexer_cache_logits")),
 ))

@@ -157,6 +157,7 @@ class _Adapters:
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+        batch_invariant=False,  # never true here: the provider declares no batch-invariant kernel
     ):
         batch, s_q, heads = q.shape[:3]
         rows = batch * s_q
@@ -194,7 +195,7 @@ class _Adapters:
         lse.copy_(lse_all[:, :heads])
         return out, lse
 
-    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False):
         s_q, heads = q.shape[:2]
         if s_q == 0 or indices.shape[-1] == 0 or kv.shape[0] == 0:  # nothing to attend
             out, max_logits, lse = prefill_outputs(q, d_v)

@@ -189,7 +189,11 @@ class FlashMLAKernels:
         self, q, k_cache, page_size, indices, topk_length, attn_sink,
         extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
         tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+        batch_invariant=False,
     ):
+        """``batch_invariant`` (routed here only for V4.1 interleaved caches on SM100:
+        :data:`FLASHMLA_DECODE_INVARIANT`): the current kernels' ``enable_batch_invariant``, which
+        turns their split-KV path off; they schedule inside, ignoring the metadata passed."""
         batch, s_q, heads, _ = q.shape
         width = indices.shape[-1]
         extra_width = 0 if extra_indices is None else extra_indices.shape[-1]
@@ -212,6 +216,7 @@ class FlashMLAKernels:
                 q, k_cache, page_size, indices, topk_length, attn_sink,
                 extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
                 tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format, extra_kv_format,
+                batch_invariant,
             )
         if kv is None:
             kv = _view(k_cache, page_size, kv_format)
@@ -236,11 +241,12 @@ class FlashMLAKernels:
                              tile_scheduler_metadata, num_splits)
         idx = _pad_width(indices, width, DECODE_TOPK_MULTIPLE)
         extra_idx = None if extra_k_cache is None else _pad_width(extra_indices, extra_width, DECODE_TOPK_MULTIPLE)
+        flag = (True,) if batch_invariant else ()  # only the current kernels take it
 
         if heads == 64 or heads == 128:  # no padding: the kernel's outputs are ours
             out, lse, _, _ = decode_op(
                 q, kv, idx, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
-                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
+                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale, *flag,
             )
             return out, lse
         out, lse = decode_outputs(q, head_dim_v)
@@ -249,7 +255,7 @@ class FlashMLAKernels:
             sink = None if attn_sink is None else _pad_heads(attn_sink, 0, start, stop, padded)
             o, l, _, _ = decode_op(
                 qg, kv, idx, topk_length, sink, tile_scheduler_metadata, num_splits,
-                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale,
+                extra_kv, extra_idx, extra_topk_length, layout.HEAD_DIM, softmax_scale, *flag,
             )
             out[:, :, start:stop] = o[:, :, : stop - start]
             lse[:, start:stop] = l[:, : stop - start]
@@ -257,7 +263,7 @@ class FlashMLAKernels:
 
     # ---- prefill ----
 
-    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False):
         s_q, heads, _ = q.shape
         s_kv = kv.shape[0]
         _, kv_heads, width = indices.shape
@@ -451,6 +457,14 @@ FLASHMLA_DECODE = dispatch.Rule(
     "(page strides multiples of the token bytes)",
     lambda device, call: _v4_decode(device, call) or _v41_decode(device, call),
 )
+#: What FlashMLA's decode serves in the batch-invariant mode: the current kernels' calls (V4.1
+#: interleaved caches on SM100), with their ``enable_batch_invariant``. The legacy kernels (V4, SM90
+#: and SM100) have no such flag and split a row's keys by the whole batch's schedule.
+FLASHMLA_DECODE_INVARIANT = dispatch.Rule(
+    "in the batch-invariant mode, V4.1 interleaved caches on SM100 (the current kernels' "
+    "enable_batch_invariant; page strides multiples of the token bytes)",
+    _v41_decode,
+)
 #: sgl_kernel's FlashMLA: V4 caches.
 SGL_KERNEL_DECODE = dispatch.Rule(
     "kv_format 'v4' (page strides multiples of 576 on SM100)", _v4_decode,
@@ -475,7 +489,7 @@ def register() -> None:
     ))
     dispatch.register_provider(dispatch.Provider(
         "flashmla", "cuda", _load_flash_mla, ops=_FLASHMLA_OPS, rules={"flash_mla_with_kvcache": FLASHMLA_DECODE},
-        validates=FLASHMLA_VALIDATES,
+        validates=FLASHMLA_VALIDATES, invariant={"flash_mla_with_kvcache": FLASHMLA_DECODE_INVARIANT},
     ))
     dispatch.register_metadata_shapes("cuda", metadata_shapes)
 

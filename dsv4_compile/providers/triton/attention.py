@@ -141,6 +141,11 @@ COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128
 #: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
 #: 640 keys into 20 tiny splits would move more partial data than keys.
 MIN_SPLIT_KEYS = 64
+#: Keys per split of a row in the batch-invariant mode (:func:`invariant_splits`): a row's
+#: reduction is cut where its own list is, whatever the batch; larger splits move less partial data
+#: (a split's ``[H, 512]`` fp32 result, the bytes of ~220 keys at 64 heads), smaller ones leave
+#: more programs to a small batch.
+INVARIANT_SPLIT_KEYS = 256
 #: Most query rows a decode launch orders longest first (:func:`decode_order`): every program
 #: ranks all rows' lengths, O(rows) work each.
 ORDER_MAX_ROWS = 4096
@@ -217,6 +222,18 @@ def decode_plan(device: torch.device, rows, heads: int, keys: int):
     return config, block_h, decode_splits(device, rows * -(-heads // block_h), keys, config.block_n)
 
 
+def invariant_splits(config: Config, width: int, extra_width: int) -> tuple[int, int]:
+    """``(splits, split_keys)`` of a decode launch in the batch-invariant mode: each row's virtual
+    list (its main entries padded to whole key blocks, then its extra ones) is cut into splits of
+    ``split_keys`` entries (:data:`INVARIANT_SPLIT_KEYS`, more where the index widths would need
+    more than :data:`MAX_SPLITS`): a function of the widths alone, never of the batch; the launch
+    has the splits of the widest possible row, and a row's programs past its own return at once."""
+    block = config.block_n
+    blocks = -(-int(width) // block) + -(-int(extra_width) // block)  # index widths are specialised
+    per_split = max(INVARIANT_SPLIT_KEYS // block, -(-blocks // MAX_SPLITS))
+    return max(1, -(-blocks // per_split)), per_split * block
+
+
 def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> tuple:
     """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
     (None: the launch's ``num_stages``), for ``splits`` of the virtual key list: ``width`` main
@@ -281,9 +298,10 @@ def _page_shift(page_size) -> tuple[int, bool]:
 
 def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
             extra_k_cache, extra_page_size, extra_indices, extra_topk_length, softmax_scale, head_dim_v,
-            kv_format=layout.V4, extra_kv_format=None):
+            kv_format=layout.V4, extra_kv_format=None, batch_invariant=False):
     """Allocate the outputs (and a workspace if split) and launch; ``kernels`` maps a jitted
-    kernel to what is launched (itself, or its ``wrap_triton`` wrapper)."""
+    kernel to what is launched (itself, or its ``wrap_triton`` wrapper). ``batch_invariant``: the
+    splits of :func:`invariant_splits` instead of :func:`decode_plan`'s."""
     batch, s_q, heads = q.shape[:3]
     out, lse = decode_outputs(q, head_dim_v)
     rows = batch * s_q
@@ -292,6 +310,9 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     has_extra = extra_k_cache is not None
     width, extra_width = indices.shape[-1], extra_indices.shape[-1] if has_extra else 0
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
+    split_keys = 0  # unused outside the batch-invariant mode
+    if batch_invariant:
+        splits, split_keys = invariant_splits(config, width, extra_width)
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
     head_blocks = -(-heads // block_h)
     wave = triton_common.compute_units(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
@@ -321,9 +342,9 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
-        rows, s_q, heads, splits, wave, softmax_scale * LOG2E,
+        rows, s_q, heads, splits, split_keys, wave, softmax_scale * LOG2E,
         HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len, HAS_SINK=attn_sink is not None,
-        PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
+        PARTIAL=partial, INVARIANT=batch_invariant, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _kernels().decode_kernel),
         STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -331,13 +352,17 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     if split:
         kernels(_kernels().combine_kernel)[(rows, -(-heads // COMBINE_BLOCK_H), layout.HEAD_DIM // COMBINE_BLOCK_D)](
             part, part_lse, sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1),
-            s_q, heads, splits, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
-            num_warps=4,
+            s_q, heads, splits, length, length.stride(0), x_len, x_len.stride(0), indices.shape[-1], x[-1],
+            split_keys, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
+            INVARIANT=batch_invariant, HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len,
+            BLOCK_N=config.block_n, num_warps=4,
         )
     return out, lse
 
 
-def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+def _prefill(kernels, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False):
+    """Allocate the outputs and launch. One program per (query, head block) over all of the query's
+    keys, whatever the batch: batch-invariant in either mode."""
     s_q, heads = q.shape[:2]
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:  # nothing to launch
@@ -369,16 +394,17 @@ def flash_mla_with_kvcache(
     q, k_cache, page_size, indices, topk_length, attn_sink,
     extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
     tile_scheduler_metadata, num_splits, softmax_scale, head_dim_v, kv_format=layout.V4, extra_kv_format=None,
+    batch_invariant=False,
 ):
     """``dsv4::flash_mla_with_kvcache`` (docs/design.md §2.3) on validated arguments, every cache
     format; scheduler metadata is ignored. No host sync: capture-safe."""
     with triton_common.device_guard(q.device):
         return _decode(_eager, q, k_cache, page_size, indices, topk_length, attn_sink,
                        extra_k_cache, extra_page_size, extra_indices, extra_topk_length,
-                       softmax_scale, head_dim_v, kv_format, extra_kv_format)
+                       softmax_scale, head_dim_v, kv_format, extra_kv_format, batch_invariant)
 
 
-def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, batch_invariant=False):
     """``dsv4::flash_mla_sparse_fwd`` (docs/design.md §2.4) on validated arguments: ``(out, max_logits,
     lse)``, natural log. No host sync: capture-safe."""
     with triton_common.device_guard(q.device):
@@ -407,7 +433,9 @@ def load(device: torch.device) -> dict:
 def register() -> None:
     """Register the attention's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent)."""
     for device_type in triton_common.DEVICE_TYPES:
-        dispatch.register_provider(dispatch.Provider(NAME, device_type, load, ops=(*OPS, *dispatch.METADATA_OPS), fallback=True))
+        dispatch.register_provider(dispatch.Provider(
+            NAME, device_type, load, ops=(*OPS, *dispatch.METADATA_OPS), fallback=True, invariant=dict.fromkeys(OPS),
+        ))
 
 
 register()

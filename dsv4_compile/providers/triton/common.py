@@ -339,11 +339,11 @@ def inlines(op: str, device: torch.device, args: tuple | None, entry, kernel) ->
     """
     if not inlining_allowed(device):
         return False
-    call = None
-    if args is not None:  # the call's signature: provider rules may depend on it
-        call = registry.DEFINED[op].signature(args)
+    call, invariant = None, False
+    if args is not None:  # the call's signature and mode: provider rules may depend on them
+        call, invariant = registry.DEFINED[op].signature(args), registry.DEFINED[op].invariant(args)
     try:
-        if dispatch.resolve(op, device, call)[1] is not entry:
+        if dispatch.resolve(op, device, call, invariant)[1] is not entry:
             return False
     except dispatch.ProviderUnavailable:  # e.g. a forced provider that does not serve the device
         return False

@@ -95,8 +95,10 @@ def geometry(dim: int, heads: int) -> tuple[int, int, int]:
     return block, block_h, block_d
 
 
-def indexer_logits(q, weights, keys, block_slots):
-    """``dsv4::indexer_logits`` (eager) on validated arguments: one launch, no host sync."""
+def indexer_logits(q, weights, keys, block_slots, batch_invariant=False):
+    """``dsv4::indexer_logits`` (eager) on validated arguments: one launch, no host sync. A logit
+    is one program's computation over its query and key alone, whichever program and however many
+    rows: batch-invariant in either mode."""
     logits = indexer_logits_output(q, block_slots)
     with triton_common.device_guard(q.device):
         launch(q, weights, keys, block_slots, logits)
@@ -249,8 +251,9 @@ def indexer_store(keys, index_cache, slots, page_size, index_format=layout.INDEX
 
 
 def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_format=layout.INDEX_FP8,
-                         q_scales=None):
-    """``dsv4::indexer_cache_logits`` (eager) on validated arguments: one launch, no host sync."""
+                         q_scales=None, batch_invariant=False):
+    """``dsv4::indexer_cache_logits`` (eager) on validated arguments: one launch, no host sync;
+    batch-invariant in either mode, as :func:`indexer_logits`."""
     logits = indexer_logits_output(q, block_slots)
     tokens, heads = q.shape[:2]
     width = block_slots.shape[1]
@@ -292,7 +295,7 @@ def register() -> None:
     """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
-            NAME, device_type, load, ops=(OP, TOPK, STORE, CACHE), fallback=True,
+            NAME, device_type, load, ops=(OP, TOPK, STORE, CACHE), fallback=True, invariant=dict.fromkeys((OP, CACHE)),
         ))
 
 

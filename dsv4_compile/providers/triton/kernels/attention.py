@@ -288,9 +288,9 @@ def decode_kernel(
     x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
     x_len_ptr, x_len_sb,
     sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
-    rows, s_q, heads, num_splits, wave, scale_log2,
+    rows, s_q, heads, num_splits, split_keys, wave, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
-    HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
     POW2: tl.constexpr, X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr,
     X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
@@ -299,6 +299,10 @@ def decode_kernel(
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
+    ``INVARIANT`` (the batch-invariant mode): a row's splits are ``split_keys`` entries each of its
+    virtual list, as many as its lengths need (:func:`_row_splits`), whatever ``num_splits`` (the
+    launch's, for the widest row); a row of one split writes the final outputs, a longer one its
+    partial results, and the programs past a row's splits return at once.
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
     ``HW``: fp8 by conversion instructions (:func:`.common.hardware_conversions`).
     ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
@@ -316,14 +320,6 @@ def decode_kernel(
     split = tl.program_id(2)
     b = row // s_q
     s = row - b * s_q
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = h < heads
-    q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
-    q0 = tl.load(q_row + (tl.arange(0, _C1 - _C0) + _C0)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
-    q1 = tl.load(q_row + (tl.arange(0, _C2 - _C1) + _C1)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
-    q2 = tl.load(q_row + (tl.arange(0, _C3 - _C2) + _C2)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
-    q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
-
     # the row's counted entries: [0, n) of the main indices, then [0, x_n) of the extra ones
     n, x_n = _counted(tl.load(len_ptr + b * len_sb, mask=HAS_LEN, other=0),
                       tl.load(x_len_ptr + b * x_len_sb, mask=HAS_X_LEN, other=0),
@@ -331,9 +327,23 @@ def decode_kernel(
     # the virtual list: the main entries padded to whole key blocks, then the extra ones, so that
     # every key block of a split lies in one cache (no split pays a partial block on both sides)
     n_pad = tl.cdiv(n, BLOCK_N) * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(n_pad + x_n, num_splits), BLOCK_N) * BLOCK_N
+    if INVARIANT:  # fixed splits of the row's own list
+        chunk = split_keys
+        row_splits = _row_splits(n, x_n, split_keys, BLOCK_N)
+        if split >= row_splits:
+            return
+    else:  # num_splits equal splits of whole key blocks
+        chunk = tl.cdiv(tl.cdiv(n_pad + x_n, num_splits), BLOCK_N) * BLOCK_N
+        row_splits = num_splits
     v0 = split * chunk
     v1 = tl.minimum(v0 + chunk, n_pad + x_n)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
+    q0 = tl.load(q_row + (tl.arange(0, _C1 - _C0) + _C0)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q1 = tl.load(q_row + (tl.arange(0, _C2 - _C1) + _C1)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q2 = tl.load(q_row + (tl.arange(0, _C3 - _C2) + _C2)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+    q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
 
     acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
@@ -362,8 +372,8 @@ def decode_kernel(
     lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
     # several splits: the split's normalised output acc / l and base-2 lse; one: the final outputs
     partial = PARTIAL == 1
-    if PARTIAL == 2:
-        partial = num_splits > 1
+    if PARTIAL == 2 or INVARIANT:
+        partial = row_splits > 1
     if partial:
         tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
         _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
@@ -373,11 +383,20 @@ def decode_kernel(
 
 
 @triton.jit
+def _row_splits(n, x_n, split_keys, BLOCK_N: tl.constexpr):
+    """The batch-invariant mode's split count of a row of ``n`` main and ``x_n`` extra counted
+    entries: its virtual list (the main entries padded to whole key blocks, then the extra ones) in
+    pieces of ``split_keys``; one for an empty row (which writes its empty outputs)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(n, BLOCK_N) * BLOCK_N + x_n, split_keys), 1)
+
+
+@triton.jit
 def _combine(
     part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
-    s_q, heads, num_splits, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_q, heads, num_splits, count, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Columns ``BLOCK_D * program_id(2) ..`` of one row's head block, and its lse:
+    """Columns ``BLOCK_D * program_id(2) ..`` of one row's head block, and its lse, from its first
+    ``count`` of ``num_splits`` partial results, in split order:
     ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i * sigmoid(lse - sink)``."""
     row = tl.program_id(0)
     b = row // s_q
@@ -387,12 +406,12 @@ def _combine(
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     first = row.to(tl.int64) * num_splits * heads + h  # split 0's entry of each head
     top = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
-    for i in range(num_splits):
+    for i in range(count):
         top = tl.maximum(top, tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")))
     ref = tl.where(top == -float("inf"), 0.0, top)
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for i in range(num_splits):
+    for i in range(count):
         w = tl.exp2(tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")) - ref)
         o = tl.load(part_ptr + (first + i * heads)[:, None] * _D + d[None, :], mask=h_mask[:, None], other=0.0)
         total += w
@@ -406,13 +425,23 @@ def _combine(
 @triton.jit
 def combine_kernel(
     part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
-    s_q, heads, num_splits, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_q, heads, num_splits, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys,
+    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVARIANT: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (row, head block, column block): merge the row's ``num_splits`` partial results
-    (nothing to do for one split: the decode kernel wrote the outputs)."""
-    if num_splits > 1:
+    """Program (row, head block, column block): merge the row's ``num_splits`` partial results, or
+    with ``INVARIANT`` its own split count's (:func:`_row_splits`, from its lengths); nothing to
+    do for one split: the decode kernel wrote the outputs."""
+    count = num_splits
+    if INVARIANT:
+        b = tl.program_id(0) // s_q
+        n, x_n = _counted(tl.load(len_ptr + b * len_sb, mask=HAS_LEN, other=0),
+                          tl.load(x_len_ptr + b * x_len_sb, mask=HAS_X_LEN, other=0),
+                          width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
+        count = _row_splits(n, x_n, split_keys, BLOCK_N)
+    if count > 1:
         _combine(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
-                 s_q, heads, num_splits, HAS_SINK, BLOCK_H, BLOCK_D)
+                 s_q, heads, num_splits, count, HAS_SINK, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
