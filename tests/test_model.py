@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
+
+import dsv4_compile as d4
 from torch._inductor.utils import run_and_get_code
 
 from dsv4_compile.generation import Batch, choice_margins, random_prompts
@@ -72,6 +74,19 @@ def test_step_is_one_graph_without_breaks(mode, caches):
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(**inputs, mode=mode)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_step_in_the_batch_invariant_mode_is_one_graph_without_breaks(mode):
+    model = make_model("cpu")
+    batch = Batch(prompts())
+    inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
+    with torch.no_grad(), d4.batch_invariant():
+        explanation = torch._dynamo.explain(model)(**inputs, mode=mode)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    invariant = [n for g in explanation.graphs for n in g.graph.nodes
+                 if n.op == "call_function" and "dsv4" in str(n.target) and n.kwargs.get("batch_invariant", n.args[-1]) is True]
+    assert invariant, "no dsv4 call in the graph asks for the mode"
 
 
 def test_one_prefill_equals_prefill_then_decode_steps():
@@ -351,6 +366,16 @@ def test_cuda_reduce_overhead_decode_with_a_quantized_indexer(index_format):
         assert bool(got.isfinite().all())
         close = ((got - want).abs() <= rerounded_atol(want)).all(dim=-1)
         assert close.float().mean().item() >= 0.5, close
+
+
+@pytest.mark.cuda
+def test_cuda_reduce_overhead_decode_in_the_batch_invariant_mode():
+    """In the batch-invariant mode (eager and compiled): no cudagraph skip, and the eager logits
+    within the FP8 step, as in the default mode."""
+    with d4.batch_invariant():
+        got_logits, want_logits, skips = reduce_overhead_decode("v4")
+    assert skips == 0
+    assert_steps_close(got_logits, want_logits, rerounded_atol, first_step=1)
 
 
 @pytest.mark.cuda
