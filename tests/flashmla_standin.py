@@ -112,7 +112,8 @@ def current_sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_sched
                               enable_batch_invariant=False):
     """``flash_mla::sparse_decode_fwd``: V4.1 interleaved caches, FP4 only as the extra cache."""
     CALLS.append(("decode_v41", dict(q=q, kv=kv, indices=indices, meta=tile_scheduler_metadata,
-                                     extra_kv=extra_kv, extra_indices=extra_indices)))
+                                     extra_kv=extra_kv, extra_indices=extra_indices,
+                                     enable_batch_invariant=enable_batch_invariant)))
     batch, s_q, heads, d_qk = q.shape
     assert batch > 0 and s_q > 0 and q.dtype == torch.bfloat16 and d_qk == 512 and d_v == 512
     assert heads in (64, 128), f"Unsupported h_q: {heads}"

@@ -338,6 +338,46 @@ def test_v41_interleaved_on_sm100_runs_flashmla_current_kernels(monkeypatch):
         dispatch.reset()
 
 
+def test_batch_invariant_v41_decode_on_sm100_asks_flashmla_for_its_flag(monkeypatch):
+    """In the mode, FlashMLA's current kernels serve V4.1 interleaved caches with their
+    ``enable_batch_invariant``, scheduling inside whatever metadata is passed."""
+    standin.install(monkeypatch, "flashmla")
+    monkeypatch.setattr(flashmla, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
+    dispatch.reset()
+    standin.CALLS.clear()
+    try:
+        args = v41_case()
+        args[10], args[11] = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+        out, lse = on_cuda("flash_mla_with_kvcache", *args, True)
+        name, call = standin.CALLS[-1]
+        assert name == "decode_v41" and call["enable_batch_invariant"] is True and call["meta"] is None
+        on_cuda("flash_mla_with_kvcache", *args)
+        assert standin.CALLS[-1][1]["enable_batch_invariant"] is False
+        want = reference.flash_mla_with_kvcache(*args)
+        torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+        assert dispatch.providers("cuda:0", batch_invariant=True)["flash_mla_with_kvcache"] == "flashmla"
+    finally:
+        dispatch.reset()
+
+
+def test_batch_invariant_v4_decode_skips_flashmla_legacy_kernels(provider):
+    """The legacy kernels (V4 caches) split a row's keys by the whole batch's schedule and have no
+    flag: in the mode their calls go to the next provider, with one warning naming why."""
+    args = decode_case(64)
+    standin.CALLS.clear()
+    with pytest.warns(RuntimeWarning, match=f"batch-invariant mode uses provider 'reference'; skipped .*'{provider}'"):
+        out, lse = on_cuda("flash_mla_with_kvcache", *args, "v4", None, True)
+    assert standin.CALLS == []
+    want = reference.flash_mla_with_kvcache(*args)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    chain = dict(dispatch.provider_chain("cuda:0", batch_invariant=True)["flash_mla_with_kvcache"])
+    if provider == "flashmla":  # its current kernels' calls only
+        assert "V4.1 interleaved caches on SM100" in chain[provider]
+    else:
+        assert provider not in chain
+
+
 @pytest.mark.parametrize("capability,kv_format,extra_format", [
     ((9, 0), "v4.1-fp8-interleaved", "v4.1-fp4-interleaved"),  # SM90: no V4.1 FlashMLA kernel
     ((10, 0), "v4.1-fp8", "v4.1-fp4"),  # block-split: FlashMLA's current kernels read interleaved only

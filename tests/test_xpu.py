@@ -562,3 +562,18 @@ def test_store_on_xpu_matches_reference(page_size):
     # fp8 codes may differ by one step at rounding ties: 2**-3 of the tile's magnitude at most
     bound = tolerances.STORE_FP8_STEP * want.abs().amax(-1, keepdim=True)
     assert bool(((got - want).abs() <= bound).all())
+
+
+def test_batch_invariant_calls_skip_sgl_kernel_xpu(standin):
+    """sgl-kernel-xpu's decode and prefill are not known to be batch-invariant: in the mode their
+    calls go to the next provider (Triton on an XPU; the reference here), with one warning."""
+    args = decode_args(16, 1, True, True)
+    with pytest.warns(RuntimeWarning, match="batch-invariant mode uses provider 'reference'; skipped 'sgl_kernel_xpu'"):
+        out, lse = on_xpu("flash_mla_with_kvcache", *args, "v4", None, True)
+    pargs = prefill_args(16, True)
+    with pytest.warns(RuntimeWarning, match="skipped 'sgl_kernel_xpu'"):
+        on_xpu("flash_mla_sparse_fwd", *pargs, True)
+    assert standin.calls == []
+    want = reference.flash_mla_with_kvcache(*args)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert dispatch.providers("xpu", batch_invariant=True)["flash_mla_with_kvcache"] != "sgl_kernel_xpu"
