@@ -159,7 +159,7 @@ ROW_ARGS = {DECODE: (0, 3, 4, 8, 9), PREFILL: (0, 2, 6), LOGITS: (0, 1, 3), CACH
 def batch_of(op: str, pool: list, rows: list[int]) -> list:
     """The arguments of a call over the pool's ``rows`` (in that order)."""
     args = list(pool)
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, dtype=torch.long)
     for i in ROW_ARGS[op]:
         if args[i] is not None:
             args[i] = args[i][index.to(args[i].device)].clone()
@@ -280,6 +280,28 @@ def test_triton_default_decode_is_not_batch_invariant_interpreted():
 def test_cuda_default_decode_is_not_batch_invariant():
     with d4.use_provider("triton", ops=(DECODE,)):
         _assert_default_decode_not_invariant("triton", "cuda", (256,))
+
+
+def _assert_empty_calls(provider):
+    """No rows, and rows over no index columns, in the mode: empty outputs (``out = 0``, ``lse =
+    +inf``), no error."""
+    pool = decode_pool(3, width=0, extra_width=0)
+    out, lse = run(provider, DECODE, batch_of(DECODE, pool, [0, 1]))
+    assert not out.any() and bool((lse == float("inf")).all())
+    out, lse = run(provider, DECODE, batch_of(DECODE, pool, []))
+    assert out.shape[0] == 0 and lse.shape[0] == 0
+    out, max_logits, lse = run(provider, PREFILL, batch_of(PREFILL, prefill_pool(3), []))
+    assert out.shape[0] == 0
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the reference runs in the parent process")
+def test_reference_empty_calls_in_the_mode():
+    _assert_empty_calls("reference")
+
+
+@interpreted
+def test_triton_empty_calls_in_the_mode_interpreted():
+    _assert_empty_calls("triton")
 
 
 def test_interpreted_suite(request):

@@ -103,6 +103,20 @@ def test_decode(case):
     torch.library.opcheck(torch.ops.dsv4.flash_mla_with_kvcache.default, decode_sample(*DECODE_CASES[case]))
 
 
+@pytest.mark.parametrize("op", ["decode", "prefill", "indexer_logits", "indexer_cache_logits"])
+def test_batch_invariant_calls(op):
+    """The ops that take ``batch_invariant``, called with it (the mode's kernels, one row at a
+    time on CPU)."""
+    overload, args = {
+        "decode": (torch.ops.dsv4.flash_mla_with_kvcache.default, (*decode_sample(64, 2, True, "random", True), "v4", None)),
+        "prefill": (torch.ops.dsv4.flash_mla_sparse_fwd.default, prefill_sample(64, "random", True)),
+        "indexer_logits": (torch.ops.dsv4.indexer_logits.default, indexer_sample(3, 64, 128, 40, torch.int64)),
+        "indexer_cache_logits": (torch.ops.dsv4.indexer_cache_logits.default,
+                                 index_cache_sample("fp4", 3, 5, 9, torch.int64)[1]),
+    }[op]
+    torch.library.opcheck(overload, (*args, True))
+
+
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_prefill(case):
     torch.library.opcheck(torch.ops.dsv4.flash_mla_sparse_fwd.default, prefill_sample(*PREFILL_CASES[case]))
