@@ -321,15 +321,12 @@ def _resolve(op: str, device: torch.device, call: tuple | None, forced: str | No
         if op not in kernels:
             continue
         serves, rule = _mode_rule(provider, op, invariant)
+        reason = None
         if not serves:
             reason = f"{provider.name!r} has no batch-invariant kernel for it"
-            if forced is not None:
-                raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} cannot serve this call: {reason}")
-            skipped.append(reason)
-            ruled_out = True
-            continue
-        if call is not None and rule is not None and not rule.accepts(device, call):
+        elif call is not None and rule is not None and not rule.accepts(device, call):
             reason = f"{provider.name!r} needs {rule.needs} ({_describe_call(call)})"
+        if reason is not None:
             if forced is not None:
                 raise ProviderUnavailable(f"provider {forced!r} forced for dsv4.{op} cannot serve this call: {reason}")
             skipped.append(reason)

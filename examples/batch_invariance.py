@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 
 import torch
 
@@ -170,24 +169,11 @@ def cost_ratios() -> dict:
     return timings
 
 
-def graph_us(fn, per_graph: int = 10, replays: int = 30, runs: int = 7) -> float:
-    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``per_graph`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    samples = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * per_graph))
-    return statistics.median(samples)
+def graph_us(fn) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph (Triton's timer)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
 def main() -> dict:

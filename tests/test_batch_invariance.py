@@ -359,14 +359,23 @@ SPY = "invariance_spy"
 @pytest.fixture
 def spy():
     """A provider above the reference on CPU that serves the decode without a batch-invariant
-    kernel, recording each call's ``batch_invariant`` argument."""
-    seen = []
+    kernel (until ``claim_invariance()``), recording each call's ``batch_invariant`` argument."""
+    class Seen(list):
+        def claim_invariance(self):
+            """Declare the spy's decode batch-invariant (it is the reference's)."""
+            register(invariant={DECODE: None})
+
+    seen = Seen()
 
     def decode(*args):
         seen.append(args[-1])
         return reference.flash_mla_with_kvcache(*args)
 
-    dispatch.register_provider(dispatch.Provider(SPY, "cpu", lambda device: {DECODE: decode}, ops=(DECODE,), priority=500))
+    def register(**kwargs):
+        dispatch.register_provider(dispatch.Provider(SPY, "cpu", lambda device: {DECODE: decode}, ops=(DECODE,),
+                                                     priority=500, **kwargs))
+
+    register()
     dispatch.reset()
     yield seen
     dispatch.unregister_provider(SPY, "cpu")
@@ -433,9 +442,7 @@ def test_switch_context_setter_and_environment(monkeypatch):
 
 def test_wrappers_pass_the_switch_and_an_explicit_argument_wins(spy):
     args = _decode_args()
-    spy_only = dispatch.Provider(SPY, "cpu", lambda device: {DECODE: lambda *a: (spy.append(a[-1]), reference.flash_mla_with_kvcache(*a))[1]},
-                                 ops=(DECODE,), priority=500, invariant={DECODE: None})
-    dispatch.register_provider(spy_only)
+    spy.claim_invariance()
     d4.flash_mla_with_kvcache(*args[:15])
     with d4.batch_invariant():
         d4.flash_mla_with_kvcache(*args[:15])
@@ -453,9 +460,7 @@ def test_a_bad_batch_invariant_argument_is_named():
 def test_compat_enable_batch_invariant_asks_for_the_mode(spy):
     from dsv4_compile.compat import flash_mla
 
-    spy_only = dispatch.Provider(SPY, "cpu", lambda device: {DECODE: lambda *a: (spy.append(a[-1]), reference.flash_mla_with_kvcache(*a))[1]},
-                                 ops=(DECODE,), priority=500, invariant={DECODE: None})
-    dispatch.register_provider(spy_only)
+    spy.claim_invariance()
     q, cache, page_size, idx, lengths, sink = _decode_args()[:6]
     view = layout.flashmla_view(cache, page_size)
     common = dict(indices=idx, attn_sink=sink, topk_length=lengths, is_fp8_kvcache=True)
@@ -472,9 +477,7 @@ def test_compat_enable_batch_invariant_asks_for_the_mode(spy):
 def test_compiled_wrapper_recompiles_when_the_switch_flips(spy):
     """The wrappers read the switch in Python, so ``torch.compile`` guards on it: flipping it
     re-traces, and the compiled call then asks for the mode (no stale graph)."""
-    spy_only = dispatch.Provider(SPY, "cpu", lambda device: {DECODE: lambda *a: (spy.append(a[-1]), reference.flash_mla_with_kvcache(*a))[1]},
-                                 ops=(DECODE,), priority=500, invariant={DECODE: None})
-    dispatch.register_provider(spy_only)
+    spy.claim_invariance()
     args = _decode_args()
     frames = []
 

@@ -316,49 +316,45 @@ def v41_case(kv_format="v4.1-fp8-interleaved", extra_format="v4.1-fp4-interleave
     return args
 
 
-def test_v41_interleaved_on_sm100_runs_flashmla_current_kernels(monkeypatch):
+@pytest.fixture
+def sm100_flashmla(monkeypatch):
+    """The ``flashmla`` stand-in on an SM100 GPU (its current kernels serve V4.1 interleaved caches)."""
     standin.install(monkeypatch, "flashmla")
     monkeypatch.setattr(flashmla, "_capability", lambda device: (10, 0))
     monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
     dispatch.reset()
     standin.CALLS.clear()
-    try:
-        args = v41_case()
-        meta = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
-        args[10], args[11] = meta  # the V4 kernels' schedule: the V4.1 decode schedules inside
-        out, lse = on_cuda("flash_mla_with_kvcache", *args)
-        name, call = standin.CALLS[-1]
-        assert name == "decode_v41" and call["meta"] is None
-        assert call["kv"].shape[3] == 528 and call["extra_kv"].shape[3] == 288
-        assert call["kv"].data_ptr() == args[1].data_ptr() and call["indices"].shape[-1] == 64
-        want = reference.flash_mla_with_kvcache(*args)
-        torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
-        torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-6)
-    finally:
-        dispatch.reset()
+    yield
+    dispatch.reset()
 
 
-def test_batch_invariant_v41_decode_on_sm100_asks_flashmla_for_its_flag(monkeypatch):
+def test_v41_interleaved_on_sm100_runs_flashmla_current_kernels(sm100_flashmla):
+    args = v41_case()
+    meta = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+    args[10], args[11] = meta  # the V4 kernels' schedule: the V4.1 decode schedules inside
+    out, lse = on_cuda("flash_mla_with_kvcache", *args)
+    name, call = standin.CALLS[-1]
+    assert name == "decode_v41" and call["meta"] is None
+    assert call["kv"].shape[3] == 528 and call["extra_kv"].shape[3] == 288
+    assert call["kv"].data_ptr() == args[1].data_ptr() and call["indices"].shape[-1] == 64
+    want = reference.flash_mla_with_kvcache(*args)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-6)
+
+
+def test_batch_invariant_v41_decode_on_sm100_asks_flashmla_for_its_flag(sm100_flashmla):
     """In the mode, FlashMLA's current kernels serve V4.1 interleaved caches with their
     ``enable_batch_invariant``, scheduling inside whatever metadata is passed."""
-    standin.install(monkeypatch, "flashmla")
-    monkeypatch.setattr(flashmla, "_capability", lambda device: (10, 0))
-    monkeypatch.setattr(flashmla, "_num_sms", lambda device: standin.NUM_SMS)
-    dispatch.reset()
-    standin.CALLS.clear()
-    try:
-        args = v41_case()
-        args[10], args[11] = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
-        out, lse = on_cuda("flash_mla_with_kvcache", *args, True)
-        name, call = standin.CALLS[-1]
-        assert name == "decode_v41" and call["enable_batch_invariant"] is True and call["meta"] is None
-        on_cuda("flash_mla_with_kvcache", *args)
-        assert standin.CALLS[-1][1]["enable_batch_invariant"] is False
-        want = reference.flash_mla_with_kvcache(*args)
-        torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
-        assert dispatch.providers("cuda:0", batch_invariant=True)["flash_mla_with_kvcache"] == "flashmla"
-    finally:
-        dispatch.reset()
+    args = v41_case()
+    args[10], args[11] = on_cuda("get_mla_metadata", args[0], args[3], args[4], args[8], args[9])
+    out, lse = on_cuda("flash_mla_with_kvcache", *args, True)
+    name, call = standin.CALLS[-1]
+    assert name == "decode_v41" and call["enable_batch_invariant"] is True and call["meta"] is None
+    on_cuda("flash_mla_with_kvcache", *args)
+    assert standin.CALLS[-1][1]["enable_batch_invariant"] is False
+    want = reference.flash_mla_with_kvcache(*args)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-2)
+    assert dispatch.providers("cuda:0", batch_invariant=True)["flash_mla_with_kvcache"] == "flashmla"
 
 
 def test_batch_invariant_v4_decode_skips_flashmla_legacy_kernels(provider):
