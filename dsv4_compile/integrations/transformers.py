@@ -98,10 +98,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from .. import layout
 from ..models.attention import DeepseekV4Attention
 from ..models.config import CacheConfig, DeepseekV4Config
+from ..models.metadata import build_step_metadata
 from ..models.rope import inv_freq
 
 #: transformers' ``layer_types`` entries and our ``compress_ratio`` of each (the compressed kinds'
@@ -405,7 +407,103 @@ def attention_from_hf(
     return layer
 
 
+# --------------------------------------------------------------------------------------------
+# The whole model: transformers' blocks around our attention, stepped over paged caches
+# --------------------------------------------------------------------------------------------
+
+STEP_KWARG = "dsv4_step"  # the keyword a decoder layer forwards to its attention: the step's metadata
+
+
+class _OurAttention(nn.Module):
+    """Stands in for a transformers decoder layer's ``self_attn``: our layer over the step's
+    metadata, which the decoder layer forwards from :meth:`TransformersDSV4.forward` as the
+    keyword :data:`STEP_KWARG` (transformers' layers pass their keyword arguments on to the
+    attention). Their hidden states ``[1, T, hidden]`` are the step's tokens; ours are
+    ``[T, hidden]`` in the layer's dtype."""
+
+    def __init__(self, attn: DeepseekV4Attention):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs):
+        step = kwargs.get(STEP_KWARG)
+        if step is None:
+            raise RuntimeError(
+                "this transformers model's attention was replaced by dsv4_compile's (paged caches): run its "
+                "steps through TransformersDSV4 (e.g. dsv4_compile.generation.generate), not transformers' "
+                "forward or generate()"
+            )
+        x = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.attn.wq_b.weight.dtype)
+        return self.attn(x, step).to(hidden_states.dtype).view_as(hidden_states), None
+
+
+class TransformersDSV4(nn.Module):
+    """A transformers ``DeepseekV4ForCausalLM`` whose attention layers are ours: paged FP8 caches,
+    the ``dsv4`` ops, one ``torch.compile`` graph per step kind.
+
+    Each decoder layer's ``self_attn`` is replaced, in ``hf_model`` itself, by our
+    :class:`DeepseekV4Attention` loaded from it (:func:`attention_from_hf`, caches of ``cache``:
+    formats, pages, requests); everything else stays transformers' own modules and code — the
+    embedding, the hyper-connections (mHC), the norms, the MoE, the hyper head and the LM head.
+    A step takes the package's step inputs (:func:`dsv4_compile.generation.step_inputs`: the
+    tokens of several requests packed into one sequence, their positions, batch rows, lengths
+    and cache rows) and returns the logits of each request's last token, like
+    :class:`dsv4_compile.models.DeepseekV4Model`, so :func:`dsv4_compile.generation.generate`
+    drives prefill and greedy decode. transformers' own ``forward`` / ``generate()`` cannot drive
+    it (their cache API holds dense per-layer key tensors, ours paged quantized caches): the
+    replaced attention says so if called that way."""
+
+    def __init__(self, hf_model, cache: CacheConfig, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config = config_from_hf(hf_model.config)
+        self.cache = cache
+        self.hf = hf_model
+        base = hf_model.model
+        device = device if device is not None else next(hf_model.parameters()).device
+        for layer in base.layers:
+            if not isinstance(layer.self_attn, _OurAttention):
+                layer.self_attn = _OurAttention(attention_from_hf(layer.self_attn, hf_model.config, cache, device, dtype))
+        attns = [layer.self_attn.attn for layer in base.layers]
+        self.compressed_ratios = tuple(sorted({a.compress_ratio for a in attns if a.compress_ratio}))
+        #: each layer kind's extra index width: the step's decode schedules, all in one call
+        self.extra_widths = {a.compress_ratio: a.extra_width for a in attns}
+        pages = torch.arange(cache.num_pages, dtype=torch.int32, device=device)
+        self.register_buffer("page_table", pages.view(cache.max_requests, cache.pages_per_request), persistent=False)
+
+    def forward(self, input_ids, positions, batch_index, seq_lens, req_slots, mode: str = "decode") -> torch.Tensor:
+        meta = build_step_metadata(
+            positions, batch_index, seq_lens, req_slots, self.page_table, cache=self.cache,
+            window=self.config.sliding_window, ratios=self.compressed_ratios, mode=mode,
+            extra_widths=self.extra_widths,
+        )
+        base = self.hf.model
+        ids = input_ids[None]  # the step's tokens as one sequence: [1, T]
+        h = base.embed_tokens(ids)
+        streams = h.unsqueeze(2).expand(-1, -1, self.hf.config.hc_mult, -1).contiguous()  # mHC's residual streams
+        for layer in base.layers:
+            streams = layer(streams, input_ids=ids, **{STEP_KWARG: meta})
+        h = base.norm(base.hc_head(streams))[0]
+        return self.hf.lm_head(h[meta.last_rows]).float()
+
+    @torch.no_grad()
+    def reset_caches(self) -> None:
+        """Zero every cache and compressor state of our attention layers (addresses kept)."""
+        for layer in self.hf.model.layers:
+            attn = layer.self_attn.attn
+            for name, buf in attn.named_buffers():
+                if name.rpartition(".")[2] not in _constant_buffers(attn, name):
+                    buf.zero_()
+
+
+def _constant_buffers(attn: nn.Module, name: str) -> set:
+    """The non-persistent (constant: RoPE tables) buffer names of the module that owns ``name``."""
+    owner = attn.get_submodule(name.rpartition(".")[0]) if "." in name else attn
+    return owner._non_persistent_buffers_set
+
+
 __all__ = [
+    "STEP_KWARG",
+    "TransformersDSV4",
     "LAYER_KINDS",
     "NAME_MAP",
     "attention_from_hf",

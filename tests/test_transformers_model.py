@@ -1,0 +1,83 @@
+"""A transformers ``DeepseekV4ForCausalLM`` with our attention (:class:`TransformersDSV4`) against
+transformers' own eager model: logits of every step fed the same tokens, greedy choices, one
+graph per step. The indexer's top-k covers every visible block here (``index_topk`` 64 over at
+most 48 blocks), so both select the same keys; the layer tests check the selection itself."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_model  # noqa: E402
+
+from dsv4_compile.generation import Batch, decode_inputs, generate, random_prompts  # noqa: E402
+from dsv4_compile.integrations.transformers import TransformersDSV4  # noqa: E402
+from dsv4_compile.models import CacheConfig  # noqa: E402
+from dsv4_compile.tolerances import rerounded_atol  # noqa: E402
+from helpers import assert_same_choices_but_near_ties, assert_steps_close  # noqa: E402
+from test_transformers_bridge import hf_config  # noqa: E402
+
+STEPS = 4
+CACHE = CacheConfig(max_requests=4, max_seq_len=512, page_size=256, kv_format="v4", index_format="fp32")
+
+
+def hf_causal_lm() -> hf_model.DeepseekV4ForCausalLM:
+    """Their tiny model (one layer of each kind) with seeded bf16-representable float32 weights."""
+    model = hf_model.DeepseekV4ForCausalLM(hf_config(index_topk=64)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "hc_" in name and p.dim() <= 1:
+                value = 0.1 * torch.randn(p.shape, generator=gen)
+            elif p.dim() >= 2:
+                value = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+            elif "norm" in name:
+                value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                value = 0.5 * torch.randn(p.shape, generator=gen)
+            p.copy_(value.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    theirs = hf_causal_lm()
+    return theirs, TransformersDSV4(copy.deepcopy(theirs), CACHE)
+
+
+def test_logits_match_transformers_at_every_step(models):
+    theirs, ours = models
+    prompts = random_prompts(theirs.config.vocab_size, (5, 37, 150))
+    logits = []
+    with torch.no_grad():
+        ours.reset_caches()
+        tokens = generate(ours, ours, prompts, STEPS, "cpu", on_step=lambda s, l: logits.append(l))
+        want = []
+        for p, t in zip(prompts, tokens):  # their eager model over each whole sequence, no cache
+            want.append(theirs(torch.tensor(p + t[:-1])[None]).logits[0, len(p) - 1:])
+    want_steps = [torch.stack([w[s] for w in want]) for s in range(STEPS + 1)]
+    assert_steps_close(logits, want_steps, rerounded_atol)
+    their_tokens = [[int(w[s].argmax()) for s in range(STEPS + 1)] for w in want]
+    assert_same_choices_but_near_ties(want_steps, their_tokens, tokens, rerounded_atol)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_step_is_one_graph_without_breaks(models, mode):
+    _, ours = models
+    batch = Batch(random_prompts(ours.hf.config.vocab_size, (5, 37)))
+    from dsv4_compile.generation import prefill_inputs
+
+    inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(ours)(**inputs, mode=mode)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
+def test_transformers_forward_is_refused_with_a_message(models):
+    _, ours = models
+    with torch.no_grad(), pytest.raises(RuntimeError, match="run its steps through TransformersDSV4"):
+        ours.hf(torch.tensor([[1, 2, 3]]))
