@@ -56,10 +56,15 @@ _state = _ThreadState()
 _env_checked = False  # DSV4_COMPILE_CHECKED, as last read
 
 
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: unset, empty, ``0``, ``false``, ``no``, ``off`` are false."""
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no", "off")
+
+
 def read_environment() -> None:
     """Read ``DSV4_COMPILE_CHECKED`` (at import, and by ``dispatch.reset()``)."""
     global _env_checked
-    _env_checked = os.environ.get(CHECKED_ENV, "0").lower() not in ("", "0", "false", "no", "off")
+    _env_checked = env_flag(CHECKED_ENV)
 
 
 def checked_mode() -> bool:

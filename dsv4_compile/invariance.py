@@ -18,8 +18,9 @@ every function ``torch.compile`` traced through those entry points: flipping it 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
+
+from .checks import env_flag
 
 ENV = "DSV4_COMPILE_BATCH_INVARIANT"
 
@@ -64,7 +65,7 @@ def resolve(argument: bool | None) -> bool:
 def read_environment() -> None:
     """Read ``DSV4_COMPILE_BATCH_INVARIANT`` (at import, and by ``dispatch.reset()``)."""
     global _env
-    _env = os.environ.get(ENV, "0").lower() not in ("", "0", "false", "no", "off")
+    _env = env_flag(ENV)
 
 
 read_environment()

@@ -65,8 +65,8 @@ def run(provider: str, op: str, args, batch_invariant: bool = True):
         assert name == provider, f"{op} in the mode is served by {name!r} on CUDA, not {provider!r}"
         return getattr(torch.ops.dsv4, op)(*args, **extra)
     full = list(defined.arguments(args))
-    if op in dispatch.INVARIANT_OPS:
-        full[defined.names.index(registry.INVARIANT_ARG)] = batch_invariant
+    if defined.invariant_at is not None:
+        full[defined.invariant_at] = batch_invariant
     kernels = reference.KERNELS if provider == "reference" else _triton_kernels()
     return kernels[op](*full)
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_model  # noqa: E402
 
-from dsv4_compile.generation import Batch, decode_inputs, generate, random_prompts  # noqa: E402
+from dsv4_compile.generation import Batch, decode_inputs, generate, prefill_inputs, random_prompts  # noqa: E402
 from dsv4_compile.integrations.transformers import TransformersDSV4  # noqa: E402
 from dsv4_compile.models import CacheConfig  # noqa: E402
 from dsv4_compile.tolerances import rerounded_atol  # noqa: E402
@@ -69,8 +69,6 @@ def test_logits_match_transformers_at_every_step(models):
 def test_step_is_one_graph_without_breaks(models, mode):
     _, ours = models
     batch = Batch(random_prompts(ours.hf.config.vocab_size, (5, 37)))
-    from dsv4_compile.generation import prefill_inputs
-
     inputs = prefill_inputs(batch.tokens, "cpu") if mode == "prefill" else decode_inputs(batch, "cpu")
     with torch.no_grad():
         explanation = torch._dynamo.explain(ours)(**inputs, mode=mode)

@@ -104,6 +104,7 @@ from .. import layout
 from ..models.attention import DeepseekV4Attention
 from ..models.config import CacheConfig, DeepseekV4Config
 from ..models.metadata import build_step_metadata
+from ..models.model import state_buffers
 from ..models.rope import inv_freq
 
 #: transformers' ``layer_types`` entries and our ``compress_ratio`` of each (the compressed kinds'
@@ -487,18 +488,11 @@ class TransformersDSV4(nn.Module):
 
     @torch.no_grad()
     def reset_caches(self) -> None:
-        """Zero every cache and compressor state of our attention layers (addresses kept)."""
+        """Zero every cache and compressor state of our attention layers (addresses kept; their
+        modules' other persistent buffers, e.g. the MoE's routing tables, are transformers')."""
         for layer in self.hf.model.layers:
-            attn = layer.self_attn.attn
-            for name, buf in attn.named_buffers():
-                if name.rpartition(".")[2] not in _constant_buffers(attn, name):
-                    buf.zero_()
-
-
-def _constant_buffers(attn: nn.Module, name: str) -> set:
-    """The non-persistent (constant: RoPE tables) buffer names of the module that owns ``name``."""
-    owner = attn.get_submodule(name.rpartition(".")[0]) if "." in name else attn
-    return owner._non_persistent_buffers_set
+            for buf in state_buffers(layer.self_attn.attn).values():
+                buf.zero_()
 
 
 __all__ = [

@@ -130,21 +130,26 @@ class DeepseekV4Model(nn.Module):
         return self.lm_head(self.norm(h[meta.last_rows])).float()
 
     def state_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers a step mutates, by qualified name: every cache, compressor state and
-        indexer key buffer. They are the persistent buffers; constants (page table, RoPE tables)
-        are registered non-persistent."""
-        return {
-            f"{prefix}{'.' if prefix else ''}{name}": buf
-            for prefix, module in self.named_modules()
-            for name, buf in module.named_buffers(recurse=False)
-            if name not in module._non_persistent_buffers_set
-        }
+        """The buffers a step mutates, by qualified name (:func:`state_buffers`)."""
+        return state_buffers(self)
 
     @torch.no_grad()
     def reset_caches(self) -> None:
         """Zero every state buffer (:meth:`state_buffers`) in place (addresses kept)."""
         for buf in self.state_buffers().values():
             buf.zero_()
+
+
+def state_buffers(root: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a step of ``root``'s layers mutates, by qualified name: every cache, compressor
+    state and indexer key buffer. They are the persistent buffers; constants (page table, RoPE
+    tables) are registered non-persistent."""
+    return {
+        f"{prefix}{'.' if prefix else ''}{name}": buf
+        for prefix, module in root.named_modules()
+        for name, buf in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    }
 
 
 @torch.no_grad()

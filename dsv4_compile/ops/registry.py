@@ -83,7 +83,7 @@ class Op:
     overload: torch._ops.OpOverload  # torch.ops.dsv4.<name>.default
     defaults: tuple  # per argument, its schema default (None where it has none)
     formats: tuple[int, ...]  # the positions of the arguments that name a cache format
-    names: tuple[str, ...]  # the schema's argument names
+    invariant_at: int | None  # the position of the ``batch_invariant`` argument (None: the op has none)
     #: ``run(*args)``, the arguments in schema order: the op's call from its Python wrapper; in
     #: plain eager use (``dispatch.direct_call_allowed``) the kernels' path (``dispatch.backend_kernel``)
     #: without the dispatcher's round trip, else :attr:`overload`
@@ -100,7 +100,7 @@ class Op:
 
     def invariant(self, args: tuple) -> bool:
         """Whether a call with ``args`` (:meth:`arguments`) asks for the batch-invariant mode."""
-        return INVARIANT_ARG in self.names and args[self.names.index(INVARIANT_ARG)] is True
+        return self.invariant_at is not None and args[self.invariant_at] is True
 
 
 def define(spec: OpSpec) -> Op:
@@ -143,7 +143,7 @@ def define(spec: OpSpec) -> Op:
     )
     run = dispatch.backend_kernel(name, None, *parts, entry=(overload, tensors, tensor_lists))
     SCHEMAS[name] = spec.schema
-    DEFINED[name] = Op(name, spec, overload, defaults, formats, names, run)
+    DEFINED[name] = Op(name, spec, overload, defaults, formats, invariant_at, run)
     return DEFINED[name]
 
 
