@@ -12,10 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_model  # noqa: E402
-
 from dsv4_compile.generation import Batch, decode_inputs, generate, prefill_inputs, random_prompts  # noqa: E402
-from dsv4_compile.integrations.transformers import TransformersDSV4  # noqa: E402
+from dsv4_compile.integrations.transformers import TransformersDSV4, random_hf_model  # noqa: E402
 from dsv4_compile.models import CacheConfig  # noqa: E402
 from dsv4_compile.tolerances import rerounded_atol  # noqa: E402
 from helpers import assert_same_choices_but_near_ties, assert_steps_close  # noqa: E402
@@ -25,27 +23,9 @@ STEPS = 4
 CACHE = CacheConfig(max_requests=4, max_seq_len=512, page_size=256, kv_format="v4", index_format="fp32")
 
 
-def hf_causal_lm() -> hf_model.DeepseekV4ForCausalLM:
-    """Their tiny model (one layer of each kind) with seeded bf16-representable float32 weights."""
-    model = hf_model.DeepseekV4ForCausalLM(hf_config(index_topk=64)).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "hc_" in name and p.dim() <= 1:
-                value = 0.1 * torch.randn(p.shape, generator=gen)
-            elif p.dim() >= 2:
-                value = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
-            elif "norm" in name:
-                value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
-            else:
-                value = 0.5 * torch.randn(p.shape, generator=gen)
-            p.copy_(value.to(torch.bfloat16).float())
-    return model
-
-
 @pytest.fixture(scope="module")
 def models():
-    theirs = hf_causal_lm()
+    theirs = random_hf_model(hf_config(index_topk=64))
     return theirs, TransformersDSV4(copy.deepcopy(theirs), CACHE)
 
 

@@ -495,6 +495,54 @@ class TransformersDSV4(nn.Module):
                 buf.zero_()
 
 
+def tiny_hf_config(**overrides):
+    """A small transformers ``DeepseekV4Config`` for tests and examples: hidden 128, 4 heads of 512
+    (64 RoPE dims, as DSV4), one layer of each kind (sliding, ratio 4 with an indexer of 8 heads
+    of 128 picking 8 blocks, ratio 128), a window of 16 tokens, 4 routed experts (2 per token)
+    and a vocabulary of 256; YaRN on the compressed layers over an original context of 256
+    positions, so the blend moves frequencies that short sequences reach. Eager attention.
+    ``overrides``: any other config field."""
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config as HFConfig
+
+    fields = dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=layout.HEAD_DIM, q_lora_rank=64, o_lora_rank=64, o_groups=2, sliding_window=16,
+        index_n_heads=8, index_head_dim=layout.INDEX_HEAD_DIM, index_topk=8, layer_types=list(LAYER_KINDS),
+        max_position_embeddings=4096, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
+                         "beta_fast": 32, "beta_slow": 1},
+    )
+    fields.update(overrides)
+    config = HFConfig(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+@torch.no_grad()
+def random_hf_model(hf_config, seed: int = 0, device=None, dtype: torch.dtype = torch.float32):
+    """transformers' ``DeepseekV4ForCausalLM`` of ``hf_config`` on ``device`` in ``dtype``, its
+    parameters seeded random bf16 values (their initialisation leaves most of them empty), ``z`` a
+    standard normal draw: the hyper-connections' vectors ``0.1 z``, matrices ``z / sqrt(fan_in)``,
+    norm weights ``1 + 0.1 z``, the other vectors (sinks, position biases, biases) ``0.5 z``."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
+
+    with torch.device(device if device is not None else "cpu"):
+        model = DeepseekV4ForCausalLM(hf_config).to(dtype).eval()
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        value = torch.randn(p.shape, generator=gen, device=p.device)
+        if "hc_" in name and p.dim() <= 1:
+            value *= 0.1
+        elif p.dim() >= 2:
+            value *= p.shape[-1] ** -0.5
+        elif "norm" in name:
+            value = 1 + 0.1 * value
+        else:
+            value *= 0.5
+        p.copy_(value.to(torch.bfloat16))
+    return model
+
+
 __all__ = [
     "STEP_KWARG",
     "TransformersDSV4",
@@ -505,4 +553,6 @@ __all__ = [
     "config_from_hf",
     "layer_ratio",
     "layer_ratios",
+    "random_hf_model",
+    "tiny_hf_config",
 ]
