@@ -1,0 +1,179 @@
+"""transformers' DeepSeek V4 against the same model with our attention, at DSV4-Flash's dimensions,
+on CUDA.
+
+    PYTHONPATH=. python benchmarks/bench_transformers.py [--prefill 4096 32768] [--batch 1 32]
+        [--context 1024] [--json out.json]
+
+The model: transformers' ``DeepseekV4ForCausalLM`` with its default (DSV4-Flash) dimensions —
+hidden 4096, 64 heads of 512, q / o LoRA ranks 1024, 8 output groups, window 128, indexer 64 heads
+of 128 picking 512 blocks, vocabulary 129280 — cut to a slice: three layers, one of each kind
+(sliding, ratio 4 with the indexer, ratio 128), and 8 routed experts instead of 256 (the MoE is
+transformers' own code both ways). Random bf16 weights (``random_hf_model``), eager attention.
+
+* **Prefill** of one request of ``N`` tokens: time of one call (after a warm-up call of 512
+  tokens) and peak memory. transformers: ``model(ids, use_cache=True)`` (its dense attention
+  and its cache); ours: one prefill step of :class:`TransformersDSV4` (V4 caches, FP8 indexer
+  keys), eager. Peak memory: the allocator's peak above what was allocated before the call; ours
+  adds the bytes its caches hold for those ``N`` tokens (``CacheConfig.bytes_per_token``), as
+  its caches are allocated up front for every request. An out-of-memory is reported as such.
+* **Decode** at batch ``B``: ``B`` requests of ``--context`` random tokens prefilled, then the time
+  per decode step (medians of :data:`STEPS` steps after :data:`WARMUP`): transformers eager with
+  its cache; ours eager and compiled (``fullgraph=True, mode="reduce-overhead"``: CUDA graphs).
+  Only the model call is timed (synchronized before and after), not building the step's inputs.
+
+Also a check that both run the same model: the prefill's last logits, ours against theirs, as a
+share of their largest magnitude (``last_logits_err_share``): both round at other places (theirs
+bf16 activations and dense keys, ours FP8 caches), and where the indexer chooses among more blocks
+than its top-k, a near-tie may pick another block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config as HFConfig
+
+from dsv4_compile.generation import Batch, decode_inputs, prefill_inputs, random_prompts
+from dsv4_compile.integrations.transformers import LAYER_KINDS, TransformersDSV4, random_hf_model
+from dsv4_compile.models import CacheConfig
+
+DEV = torch.device("cuda")
+WARMUP, STEPS = 3, 20
+GIB = 2**30
+
+
+def flash_slice() -> HFConfig:
+    config = HFConfig(num_hidden_layers=len(LAYER_KINDS), layer_types=list(LAYER_KINDS), n_routed_experts=8)
+    config._attn_implementation = "eager"
+    return config
+
+
+def measure(fn) -> dict:
+    """``fn()``'s time (ms) and the allocator's peak above its start (GiB), or the error if it
+    runs out of memory; ``out``: its result."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start_bytes = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {"error": "out of memory: " + str(e).split("\n")[0][:160]}
+    return {"ms": (time.perf_counter() - start) * 1e3,
+            "peak_gib": (torch.cuda.max_memory_allocated() - start_bytes) / GIB, "out": out}
+
+
+def timed_call(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+@torch.no_grad()
+def transformers_decode(model, batch: int, context: int, vocab: int) -> float:
+    """Median ms per decode step of their model at ``batch`` requests of ``context`` tokens."""
+    ids = torch.tensor(random_prompts(vocab, [context] * batch, seed=1), device=DEV)
+    out = model(ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    del out
+    ms = []
+    for _ in range(WARMUP + STEPS):
+        result = {}
+        ms.append(timed_call(lambda: result.update(out=model(token, past_key_values=cache, use_cache=True))))
+        token = result["out"].logits[:, -1:].argmax(-1)
+    return statistics.median(ms[WARMUP:])
+
+
+@torch.no_grad()
+def our_decode(model: TransformersDSV4, step, batch: int, context: int, vocab: int) -> float:
+    """Median ms per decode step through ``step`` (the model or its compiled form)."""
+    model.reset_caches()
+    prompts = random_prompts(vocab, [context] * batch, seed=1)
+    logits = model(**prefill_inputs(prompts, DEV), mode="prefill")
+    state = Batch([p + [t] for p, t in zip(prompts, logits.argmax(-1).tolist())])
+    ms = []
+    for _ in range(WARMUP + STEPS):
+        inputs, result = decode_inputs(state, DEV), {}
+        ms.append(timed_call(lambda: result.update(logits=step(**inputs, mode="decode"))))
+        for tokens, t in zip(state.tokens, result["logits"].argmax(-1).tolist()):
+            tokens.append(t)
+    return statistics.median(ms[WARMUP:])
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=1024, help="tokens per request before the decode steps")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = flash_slice()
+    vocab = config.vocab_size
+    model = random_hf_model(config, seed=0, device=DEV, dtype=torch.bfloat16)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "weights_gib": torch.cuda.memory_allocated() / GIB,
+              "prefill": {}, "decode": {}}
+    prompts = {n: random_prompts(vocab, [n], seed=2) for n in args.prefill}
+
+    # transformers first: our layers replace theirs in place
+    with torch.no_grad():
+        model(torch.tensor(random_prompts(vocab, [512]), device=DEV), use_cache=True)
+        theirs_last = {}
+        for n in args.prefill:
+            r = measure(lambda: model(torch.tensor(prompts[n], device=DEV), use_cache=True).logits[0, -1].float())
+            if "out" in r:
+                theirs_last[n] = r.pop("out")
+            report["prefill"][n] = {"transformers": r}
+            print("transformers prefill", n, r, flush=True)
+        for b in args.batch:
+            try:
+                report["decode"][b] = {"transformers_ms": transformers_decode(model, b, args.context, vocab)}
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                report["decode"][b] = {"transformers_ms": "out of memory"}
+            print("transformers decode", b, report["decode"][b], flush=True)
+
+    longest = max(max(args.prefill), args.context + WARMUP + STEPS + 1)
+    cache = CacheConfig(max_requests=max(args.batch), max_seq_len=-(-longest // 256) * 256, kv_format="v4",
+                        index_format="fp8")
+    ours = TransformersDSV4(model, cache)
+    per_token = sum(cache.bytes_per_token(r)["total"] for r in ours.config.compress_ratios)
+    report["ours_cache_bytes_per_token"] = per_token
+    with torch.no_grad():
+        ours(**prefill_inputs(random_prompts(vocab, [512]), DEV), mode="prefill")
+        for n in args.prefill:
+            ours.reset_caches()
+            r = measure(lambda: ours(**prefill_inputs(prompts[n], DEV), mode="prefill")[0])
+            if "out" in r:
+                got = r.pop("out")
+                r["peak_gib"] += per_token * n / GIB
+                if n in theirs_last:
+                    want = theirs_last[n]
+                    r["last_logits_err_share"] = ((got - want).abs().max() / want.abs().max()).item()
+            report["prefill"][n]["ours"] = r
+            print("ours prefill", n, r, flush=True)
+        compiled = torch.compile(ours, fullgraph=True, mode="reduce-overhead")
+        for b in args.batch:
+            report["decode"][b]["ours_eager_ms"] = our_decode(ours, ours, b, args.context, vocab)
+            report["decode"][b]["ours_compiled_ms"] = our_decode(ours, compiled, b, args.context, vocab)
+            print("ours decode", b, report["decode"][b], flush=True)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
