@@ -39,7 +39,7 @@ import transformers
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config as HFConfig
 
 from dsv4_compile.generation import Batch, decode_inputs, prefill_inputs, random_prompts
-from dsv4_compile.integrations.transformers import LAYER_KINDS, TransformersDSV4, random_hf_model
+from dsv4_compile.integrations.transformers import LAYER_KINDS, TransformersDSV4, hf_cached_forward, random_hf_model
 from dsv4_compile.models import CacheConfig
 
 DEV = torch.device("cuda")
@@ -83,14 +83,15 @@ def timed_call(fn) -> float:
 def transformers_decode(model, batch: int, context: int, vocab: int) -> float:
     """Median ms per decode step of their model at ``batch`` requests of ``context`` tokens."""
     ids = torch.tensor(random_prompts(vocab, [context] * batch, seed=1), device=DEV)
-    out = model(ids, use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    del out
+    logits, cache = hf_cached_forward(model, ids)
+    token = logits[:, -1:].argmax(-1)
+    del logits
     ms = []
     for _ in range(WARMUP + STEPS):
         result = {}
-        ms.append(timed_call(lambda: result.update(out=model(token, past_key_values=cache, use_cache=True))))
-        token = result["out"].logits[:, -1:].argmax(-1)
+        ms.append(timed_call(lambda: result.update(out=hf_cached_forward(model, token, cache))))
+        logits, cache = result["out"]
+        token = logits[:, -1:].argmax(-1)
     return statistics.median(ms[WARMUP:])
 
 
@@ -128,10 +129,10 @@ def main() -> dict:
 
     # transformers first: our layers replace theirs in place
     with torch.no_grad():
-        model(torch.tensor(random_prompts(vocab, [512]), device=DEV), use_cache=True)
+        hf_cached_forward(model, torch.tensor(random_prompts(vocab, [512]), device=DEV))
         theirs_last = {}
         for n in args.prefill:
-            r = measure(lambda: model(torch.tensor(prompts[n], device=DEV), use_cache=True).logits[0, -1].float())
+            r = measure(lambda: hf_cached_forward(model, torch.tensor(prompts[n], device=DEV))[0][0, -1].float())
             if "out" in r:
                 theirs_last[n] = r.pop("out")
             report["prefill"][n] = {"transformers": r}

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 import dsv4_compile as d4
 from dsv4_compile import layout
 from dsv4_compile.generation import choice_margins, generate, random_prompts
-from dsv4_compile.integrations.transformers import TransformersDSV4, random_hf_model, tiny_hf_config
+from dsv4_compile.integrations.transformers import TransformersDSV4, hf_cached_forward, random_hf_model, tiny_hf_config
 from dsv4_compile.models import CacheConfig
 from dsv4_compile.models.model import state_buffers
 from dsv4_compile.tolerances import rerounded_atol
@@ -121,15 +121,15 @@ def run_transformers(model, prompts, steps: int, device) -> tuple[list[list[int]
     decode calls of that step summed)."""
     tokens, logits, ms = [], [[] for _ in range(steps + 1)], [0.0] * steps
     for prompt in prompts:
-        out = model(torch.tensor([prompt], device=device), use_cache=True)
-        cache, step_logits = out.past_key_values, out.logits[0, -1].float()
+        out, cache = hf_cached_forward(model, torch.tensor([prompt], device=device))
+        step_logits = out[0, -1].float()
         chosen = [int(step_logits.argmax())]
         logits[0].append(step_logits)
         for step in range(1, steps + 1):
             sync(device)
             start = time.perf_counter()
-            out = model(torch.tensor([[chosen[-1]]], device=device), past_key_values=cache, use_cache=True)
-            step_logits = out.logits[0, -1].float()
+            out, cache = hf_cached_forward(model, torch.tensor([[chosen[-1]]], device=device), cache)
+            step_logits = out[0, -1].float()
             sync(device)
             ms[step - 1] += (time.perf_counter() - start) * 1e3
             logits[step].append(step_logits)

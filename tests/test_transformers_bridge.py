@@ -115,9 +115,8 @@ def run_hf(attn, x: torch.Tensor, config=HF_CONFIG) -> tuple[torch.Tensor, dict]
     positions = torch.arange(SEQ)[None]
     rotary = hf_model.DeepseekV4RotaryEmbedding(config)
     embeddings = {label: rotary(h, positions, layer_type=label) for label in ("main", "compress")}
-    mask = create_sliding_window_causal_mask(
-        config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
-    )
+    # positional: the cache argument's name changed in transformers 5.25 (past_key_values -> cache)
+    mask = create_sliding_window_causal_mask(config, h, None, None, positions)
     seen = {}
     hooks = [attn.kv_norm.register_forward_hook(lambda m, args, out: seen.update(kv=out))]
     if attn.compressor is not None:
@@ -132,8 +131,7 @@ def run_hf(attn, x: torch.Tensor, config=HF_CONFIG) -> tuple[torch.Tensor, dict]
         ]
     try:
         with torch.no_grad():
-            out, _ = attn(h, position_embeddings=embeddings, position_ids=positions, attention_mask=mask,
-                          past_key_values=None)
+            out, _ = attn(h, position_embeddings=embeddings, position_ids=positions, attention_mask=mask)
     finally:
         for hook in hooks:
             hook.remove()

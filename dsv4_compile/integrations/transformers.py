@@ -95,6 +95,7 @@ Where transformers' computation differs from ours (their ``modeling_deepseek_v4.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -543,6 +544,15 @@ def random_hf_model(hf_config, seed: int = 0, device=None, dtype: torch.dtype = 
     return model
 
 
+def hf_cached_forward(hf_model, input_ids: torch.Tensor, cache=None):
+    """transformers' own model (not a :class:`TransformersDSV4`) one step on with its own cache:
+    ``(logits, cache)``. The cache's keyword and output field are ``cache`` from transformers 5.25
+    and ``past_key_values`` before it (deprecated there, removed in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+    out = hf_model(input_ids, use_cache=True, **({name: cache} if cache is not None else {}))
+    return out.logits, out[name]
+
+
 __all__ = [
     "STEP_KWARG",
     "TransformersDSV4",
@@ -551,6 +561,7 @@ __all__ = [
     "attention_from_hf",
     "attention_state_from_hf",
     "config_from_hf",
+    "hf_cached_forward",
     "layer_ratio",
     "layer_ratios",
     "random_hf_model",
