@@ -53,6 +53,15 @@ def _triton_kernels() -> dict:
             TOPK: indexer.indexer_topk}
 
 
+def served_by(op: str, args, batch_invariant: bool = True) -> str:
+    """The provider the dispatcher picks for ``op`` on ``args`` (schema order, without
+    ``batch_invariant``): in the mode it depends on the arguments (e.g. FlashMLA serves it only
+    for V4.1 interleaved caches on SM100)."""
+    defined = registry.DEFINED[op]
+    return dispatch.resolve(op, args[0].device, defined.signature(defined.arguments(args)),
+                            batch_invariant=batch_invariant)[0]
+
+
 def run(provider: str, op: str, args, batch_invariant: bool = True):
     """``op`` on ``args`` (schema order, without ``batch_invariant``) by ``provider``: on CUDA
     through the op as dispatched (``provider`` must be the one that serves the mode there), on CPU
@@ -60,8 +69,7 @@ def run(provider: str, op: str, args, batch_invariant: bool = True):
     defined = registry.DEFINED[op]
     if args[0].is_cuda:
         extra = {"batch_invariant": batch_invariant} if op in dispatch.INVARIANT_OPS else {}
-        name = dispatch.resolve(op, args[0].device, defined.signature(defined.arguments(args)),
-                                batch_invariant=batch_invariant)[0]
+        name = served_by(op, args, batch_invariant)
         assert name == provider, f"{op} in the mode is served by {name!r} on CUDA, not {provider!r}"
         return getattr(torch.ops.dsv4, op)(*args, **extra)
     full = list(defined.arguments(args))
@@ -221,8 +229,7 @@ def test_cuda_rows_are_batch_invariant():
     """On the GPU, through the ops as the mode dispatches them (the Triton kernels on SM90;
     batches of 1 to 256 rows, the probe at every position)."""
     for op, pool in cases("cuda"):
-        name = dispatch.resolve(op, pool[0].device, batch_invariant=True)[0]
-        assert_probe_invariant(name, op, pool, SIZES["cuda"])
+        assert_probe_invariant(served_by(op, pool), op, pool, SIZES["cuda"])
 
 
 def _mtp_case(device):
@@ -254,7 +261,7 @@ def test_triton_mtp_query_equals_its_single_decode_interpreted():
 @pytest.mark.cuda
 def test_cuda_mtp_query_equals_its_single_decode():
     pool = _mtp_case("cuda")
-    _assert_mtp_equals_single(dispatch.resolve(DECODE, pool[0].device, batch_invariant=True)[0], pool)
+    _assert_mtp_equals_single(served_by(DECODE, pool), pool)
 
 
 def _assert_default_decode_not_invariant(provider, device, sizes):
