@@ -42,7 +42,6 @@ import argparse
 import copy
 import json
 import statistics
-import time
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -51,13 +50,13 @@ from torch.utils._pytree import tree_leaves
 
 import dsv4_compile as d4
 from dsv4_compile import layout
-from dsv4_compile.generation import choice_margins, generate, random_prompts
+from dsv4_compile.generation import choice_margins, random_prompts
 from dsv4_compile.integrations.transformers import TransformersDSV4, hf_cached_forward, random_hf_model, tiny_hf_config
 from dsv4_compile.models import CacheConfig
 from dsv4_compile.models.model import state_buffers
 from dsv4_compile.tolerances import rerounded_atol
 
-PROMPT_LENGTHS = (5, 37, 150)  # 150 > 128: the ratio-128 layer has a compressed block to attend
+from generate import PROMPT_LENGTHS, Timed, run  # this directory's example
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -109,33 +108,26 @@ class Peak:
             self.bytes = self.mode.peak
 
 
-def sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.get_device_module(device).synchronize(device)
-
-
 @torch.no_grad()
 def run_transformers(model, prompts, steps: int, device) -> tuple[list[list[int]], list[torch.Tensor], list[float]]:
     """Their greedy generation, one request at a time with their cache: each request's tokens
     (``steps + 1``: the prefill's, then one per decode step), the logits of every step
     (``[requests, vocab]``, step 0 the prefill's) and the ms of each decode step (the requests'
     decode calls of that step summed)."""
-    tokens, logits, ms = [], [[] for _ in range(steps + 1)], [0.0] * steps
+    decode = Timed(lambda input_ids, cache: hf_cached_forward(model, input_ids, cache), device)
+    tokens, logits = [], [[] for _ in range(steps + 1)]
     for prompt in prompts:
         out, cache = hf_cached_forward(model, torch.tensor([prompt], device=device))
         step_logits = out[0, -1].float()
         chosen = [int(step_logits.argmax())]
         logits[0].append(step_logits)
         for step in range(1, steps + 1):
-            sync(device)
-            start = time.perf_counter()
-            out, cache = hf_cached_forward(model, torch.tensor([[chosen[-1]]], device=device), cache)
+            out, cache = decode(input_ids=torch.tensor([[chosen[-1]]], device=device), cache=cache)
             step_logits = out[0, -1].float()
-            sync(device)
-            ms[step - 1] += (time.perf_counter() - start) * 1e3
             logits[step].append(step_logits)
             chosen.append(int(step_logits.argmax()))
         tokens.append(chosen)
+    ms = [sum(decode.ms[r * steps + s] for r in range(len(prompts))) for s in range(steps)]
     return tokens, [torch.stack(s) for s in logits], ms
 
 
@@ -144,19 +136,9 @@ def run_ours(model: TransformersDSV4, step, prompts, steps: int, device, follow)
     """Our greedy generation, the prefill through ``model`` and the decode steps through ``step``
     (the model or its compiled form), fed ``follow``'s tokens: the greedy tokens, the logits of
     every step and the ms of each decode step."""
-    model.reset_caches()
-    logits, ms = [], []
-
-    def timed_step(**inputs):
-        sync(device)
-        start = time.perf_counter()
-        out = step(**inputs).clone()  # CUDA-graph outputs are overwritten by the next replay
-        sync(device)
-        ms.append((time.perf_counter() - start) * 1e3)
-        return out
-
-    tokens = generate(model, timed_step, prompts, steps, device, on_step=lambda s, l: logits.append(l), follow=follow)
-    return tokens, logits, ms
+    decode = Timed(step, device, clone=True)
+    tokens, logits = run(model, decode, prompts, steps, device, follow=follow)
+    return tokens, logits, decode.ms
 
 
 def cache_bytes(model: TransformersDSV4) -> int:
