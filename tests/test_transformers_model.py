@@ -59,3 +59,9 @@ def test_transformers_forward_is_refused_with_a_message(models):
     _, ours = models
     with torch.no_grad(), pytest.raises(RuntimeError, match="run its steps through TransformersDSV4"):
         ours.hf(torch.tensor([[1, 2, 3]]))
+
+
+def test_wrapping_a_wrapped_model_again_is_refused(models):
+    _, ours = models
+    with pytest.raises(ValueError, match=r"hf_model: the attention of layers \[0, 1, 2\] is already ours"):
+        TransformersDSV4(ours.hf, CacheConfig(max_requests=2, max_seq_len=256, page_size=256, kv_format="v4.1-fp8"))

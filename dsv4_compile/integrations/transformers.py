@@ -462,9 +462,14 @@ class TransformersDSV4(nn.Module):
         self.hf = hf_model
         base = hf_model.model
         device = device if device is not None else next(hf_model.parameters()).device
+        wrapped = [i for i, layer in enumerate(base.layers) if isinstance(layer.self_attn, _OurAttention)]
+        if wrapped:  # their caches and formats are another wrapper's: sharing them would be a silent surprise
+            raise ValueError(
+                f"hf_model: the attention of layers {wrapped} is already ours (an earlier TransformersDSV4 replaced "
+                f"it in place, with that wrapper's caches); expected a transformers model with its own attention: "
+                f"wrap a copy (copy.deepcopy) or reload the model")
         for layer in base.layers:
-            if not isinstance(layer.self_attn, _OurAttention):
-                layer.self_attn = _OurAttention(attention_from_hf(layer.self_attn, hf_model.config, cache, device, dtype))
+            layer.self_attn = _OurAttention(attention_from_hf(layer.self_attn, hf_model.config, cache, device, dtype))
         attns = [layer.self_attn.attn for layer in base.layers]
         self.compressed_ratios = tuple(sorted({a.compress_ratio for a in attns if a.compress_ratio}))
         #: each layer kind's extra index width: the step's decode schedules, all in one call
