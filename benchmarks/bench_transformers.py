@@ -167,7 +167,10 @@ def main() -> dict:
         compiled = torch.compile(ours, fullgraph=True, mode="reduce-overhead")
         for b in args.batch:
             report["decode"][b]["ours_eager_ms"] = our_decode(ours, ours, b, args.context, vocab)
-            report["decode"][b]["ours_compiled_ms"] = our_decode(ours, compiled, b, args.context, vocab)
+            try:
+                report["decode"][b]["ours_compiled_ms"] = our_decode(ours, compiled, b, args.context, vocab)
+            except Exception as e:  # reported, so that one failure does not lose the other figures
+                report["decode"][b]["ours_compiled_ms"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print("ours decode", b, report["decode"][b], flush=True)
     print(json.dumps(report, indent=1))
     if args.json:
