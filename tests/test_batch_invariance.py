@@ -232,6 +232,46 @@ def test_cuda_rows_are_batch_invariant():
         assert_probe_invariant(served_by(op, pool), op, pool, SIZES["cuda"])
 
 
+def _assert_invariant_at_split_sizes(device: str, sizes) -> None:
+    """The Triton decode in the mode at other split sizes (``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``):
+    still invariant at each, and the size is used (the probe's lse bits differ between sizes)."""
+    from dsv4_compile.providers.triton import attention
+
+    pool = decode_pool(40, device=device)
+    probe = batch_of(DECODE, pool, [0])
+    before, lses = attention.INVARIANT_SPLIT_KEYS, []
+    try:
+        for keys in (64, 640):
+            attention.INVARIANT_SPLIT_KEYS = keys
+            assert_probe_invariant("triton", DECODE, pool, sizes)
+            lses.append(outputs(run("triton", DECODE, probe))[1])
+    finally:
+        attention.INVARIANT_SPLIT_KEYS = before
+    assert not torch.equal(*lses), "the probe's lse is the same at 64 and 640 keys per split"
+
+
+@interpreted
+def test_triton_rows_are_batch_invariant_at_other_split_sizes_interpreted():
+    _assert_invariant_at_split_sizes("cpu", (1, 4))
+
+
+@pytest.mark.cuda
+def test_cuda_rows_are_batch_invariant_at_other_split_sizes():
+    _assert_invariant_at_split_sizes("cuda", SIZES["cuda"])
+
+
+def test_split_size_from_the_environment(monkeypatch):
+    monkeypatch.delenv(invariance.SPLIT_KEYS_ENV, raising=False)
+    assert invariance.split_keys_from_environment() == invariance.DEFAULT_SPLIT_KEYS == 256
+    monkeypatch.setenv(invariance.SPLIT_KEYS_ENV, "640")
+    assert invariance.split_keys_from_environment() == 640
+    for bad in ("100", "0", "-64", "many"):
+        monkeypatch.setenv(invariance.SPLIT_KEYS_ENV, bad)
+        with pytest.raises(ValueError, match=f"DSV4_COMPILE_INVARIANT_SPLIT_KEYS must be a positive multiple of 64 "
+                                             rf"\(keys per split of a row in the batch-invariant mode\), got '{bad}'"):
+            invariance.split_keys_from_environment()
+
+
 def _mtp_case(device):
     """Decode arguments with ``s_q = 2`` (an MTP-style step) over the pool of :func:`decode_pool`."""
     return decode_pool(12, s_q=2, device=device)

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import dispatch, layout
+from ... import dispatch, invariance, layout
 from ...ops.decode import decode_outputs
 from ...ops.prefill import prefill_outputs
 from .. import reference
@@ -144,8 +144,9 @@ MIN_SPLIT_KEYS = 64
 #: Keys per split of a row in the batch-invariant mode (:func:`invariant_splits`): a row's
 #: reduction is cut where its own list is, whatever the batch; larger splits move less partial data
 #: (a split's ``[H, 512]`` fp32 result, the bytes of ~220 keys at 64 heads), smaller ones leave
-#: more programs to a small batch.
-INVARIANT_SPLIT_KEYS = 256
+#: more programs to a small batch. ``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``, read when the package is
+#: imported (:data:`dsv4_compile.invariance.SPLIT_KEYS`).
+INVARIANT_SPLIT_KEYS = invariance.SPLIT_KEYS
 #: Most query rows a decode launch orders longest first (:func:`decode_order`): every program
 #: ranks all rows' lengths, O(rows) work each.
 ORDER_MAX_ROWS = 4096
