@@ -14,29 +14,19 @@ drop-in interfaces and the model — which pass it to the ops as ``batch_invaria
 ``torch.ops.dsv4.*`` call passes the argument itself. Read in Python, the switch is a guard of
 every function ``torch.compile`` traced through those entry points: flipping it recompiles them.
 
-The mode's split size (``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``, default :data:`DEFAULT_SPLIT_KEYS`):
-the Triton decode cuts each row's keys into splits of this many entries whatever the batch, so a
-row's bits depend on it as they do on the widths. Small splits keep a small batch's programs
-short, large ones write fewer partial results at a large batch (``benchmarks/RESULTS.md``,
-"Batch-invariant mode", has the time at each size). Like a server's attention tile size, it is
-fixed for the process: read once, at import (a later change would leave compiled programs with the
-old size).
+The Triton decode's split size in the mode (``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``, read at import:
+``providers.triton.attention.INVARIANT_SPLIT_KEYS``) is fixed for the process; a row's bits depend
+on it as they do on the index widths.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 from .checks import env_flag
 
 ENV = "DSV4_COMPILE_BATCH_INVARIANT"
-SPLIT_KEYS_ENV = "DSV4_COMPILE_INVARIANT_SPLIT_KEYS"
-#: Keys per split of a row in the mode's Triton decode, unless the environment says otherwise.
-DEFAULT_SPLIT_KEYS = 256
-#: Split sizes are whole key blocks of every decode geometry (the largest has 64 keys).
-SPLIT_KEYS_MULTIPLE = 64
 
 # module globals, so that torch.compile guards on them
 _set: bool | None = None  # set_batch_invariant's value; None: the environment's
@@ -83,23 +73,3 @@ def read_environment() -> None:
 
 
 read_environment()
-
-
-def split_keys_from_environment() -> int:
-    """The mode's split size: ``DSV4_COMPILE_INVARIANT_SPLIT_KEYS`` (a positive multiple of
-    :data:`SPLIT_KEYS_MULTIPLE`), :data:`DEFAULT_SPLIT_KEYS` if unset or empty."""
-    text = os.environ.get(SPLIT_KEYS_ENV, "").strip()
-    if not text:
-        return DEFAULT_SPLIT_KEYS
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value <= 0 or value % SPLIT_KEYS_MULTIPLE:
-        raise ValueError(f"{SPLIT_KEYS_ENV} must be a positive multiple of {SPLIT_KEYS_MULTIPLE} "
-                         f"(keys per split of a row in the batch-invariant mode), got {text!r}")
-    return value
-
-
-#: The mode's split size for this process (:func:`split_keys_from_environment`, at import).
-SPLIT_KEYS = split_keys_from_environment()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -261,15 +263,29 @@ def test_cuda_rows_are_batch_invariant_at_other_split_sizes():
 
 
 def test_split_size_from_the_environment(monkeypatch):
-    monkeypatch.delenv(invariance.SPLIT_KEYS_ENV, raising=False)
-    assert invariance.split_keys_from_environment() == invariance.DEFAULT_SPLIT_KEYS == 256
-    monkeypatch.setenv(invariance.SPLIT_KEYS_ENV, "640")
-    assert invariance.split_keys_from_environment() == 640
+    from dsv4_compile.providers.triton import attention
+
+    read, name = attention.invariant_split_keys_from_environment, attention.INVARIANT_SPLIT_KEYS_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert read() == attention.DEFAULT_INVARIANT_SPLIT_KEYS == 256
+    monkeypatch.setenv(name, "640")
+    assert read() == 640
     for bad in ("100", "0", "-64", "many"):
-        monkeypatch.setenv(invariance.SPLIT_KEYS_ENV, bad)
+        monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"DSV4_COMPILE_INVARIANT_SPLIT_KEYS must be a positive multiple of 64 "
                                              rf"\(keys per split of a row in the batch-invariant mode\), got '{bad}'"):
-            invariance.split_keys_from_environment()
+            read()
+
+
+@pytest.mark.parametrize("value, printed", [("640", "640"), ("", "256"), ("100", "ValueError")])
+def test_split_size_is_read_when_the_package_is_imported(value, printed):
+    """A fresh process: the variable sets the kernels' split size at ``import dsv4_compile``, and a
+    bad value fails that import (not a later call, nor a provider silently skipped)."""
+    code = ("try:\n import dsv4_compile\nexcept ValueError:\n print('ValueError')\nelse:\n"
+            " from dsv4_compile.providers.triton import attention\n print(attention.INVARIANT_SPLIT_KEYS)")
+    env = {**os.environ, "DSV4_COMPILE_INVARIANT_SPLIT_KEYS": value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == [printed], done.stderr[-2000:]
 
 
 def _mtp_case(device):

@@ -64,11 +64,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from ... import dispatch, invariance, layout
+from ... import dispatch, layout
 from ...ops.decode import decode_outputs
 from ...ops.prefill import prefill_outputs
 from .. import reference
@@ -141,12 +142,33 @@ COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128
 #: written and read back (128 KB for 64 heads, the bytes of ~220 cache keys), so splitting a row's
 #: 640 keys into 20 tiny splits would move more partial data than keys.
 MIN_SPLIT_KEYS = 64
+#: Sets :data:`INVARIANT_SPLIT_KEYS` for the process (:func:`invariant_split_keys_from_environment`).
+INVARIANT_SPLIT_KEYS_ENV = "DSV4_COMPILE_INVARIANT_SPLIT_KEYS"
+DEFAULT_INVARIANT_SPLIT_KEYS = 256
+
+
+def invariant_split_keys_from_environment() -> int:
+    """``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``, a positive multiple of every decode geometry's key
+    block (so that no geometry rounds it), or :data:`DEFAULT_INVARIANT_SPLIT_KEYS` if unset or
+    empty."""
+    text = os.environ.get(INVARIANT_SPLIT_KEYS_ENV, "").strip()
+    if not text:
+        return DEFAULT_INVARIANT_SPLIT_KEYS
+    multiple = math.lcm(DECODE_CONFIG.block_n, DECODE_CONFIG_SMALL.block_n)
+    value = int(text) if text.lstrip("-").isdigit() else 0
+    if value <= 0 or value % multiple:
+        raise ValueError(f"{INVARIANT_SPLIT_KEYS_ENV} must be a positive multiple of {multiple} "
+                         f"(keys per split of a row in the batch-invariant mode), got {text!r}")
+    return value
+
+
 #: Keys per split of a row in the batch-invariant mode (:func:`invariant_splits`): a row's
 #: reduction is cut where its own list is, whatever the batch; larger splits move less partial data
 #: (a split's ``[H, 512]`` fp32 result, the bytes of ~220 keys at 64 heads), smaller ones leave
-#: more programs to a small batch. ``DSV4_COMPILE_INVARIANT_SPLIT_KEYS``, read when the package is
-#: imported (:data:`dsv4_compile.invariance.SPLIT_KEYS`).
-INVARIANT_SPLIT_KEYS = invariance.SPLIT_KEYS
+#: more programs to a small batch (``benchmarks/RESULTS.md``, "Batch-invariant mode", has the time
+#: at each size). Read once, when the package is imported (this module registers the provider then):
+#: a later change would leave compiled programs with the old size.
+INVARIANT_SPLIT_KEYS = invariant_split_keys_from_environment()
 #: Most query rows a decode launch orders longest first (:func:`decode_order`): every program
 #: ranks all rows' lengths, O(rows) work each.
 ORDER_MAX_ROWS = 4096
