@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dsv4_compile.generation import Batch, decode_inputs, generate, prefill_inputs, random_prompts  # noqa: E402
-from dsv4_compile.integrations.transformers import TransformersDSV4, random_hf_model  # noqa: E402
+from dsv4_compile.integrations.transformers import TransformersDSV4, hf_cached_forward, random_hf_model  # noqa: E402
 from dsv4_compile.models import CacheConfig  # noqa: E402
 from dsv4_compile.tolerances import rerounded_atol  # noqa: E402
 from helpers import assert_same_choices_but_near_ties, assert_steps_close  # noqa: E402
@@ -65,3 +65,18 @@ def test_wrapping_a_wrapped_model_again_is_refused(models):
     _, ours = models
     with pytest.raises(ValueError, match=r"hf_model: the attention of layers \[0, 1, 2\] is already ours"):
         TransformersDSV4(ours.hf, CacheConfig(max_requests=2, max_seq_len=256, page_size=256, kv_format="v4.1-fp8"))
+
+
+def test_hf_cached_forward_steps_their_model_with_its_cache(models):
+    """transformers' own model stepped one token at a time with its cache (the keyword of the
+    installed version) gives the logits of its forward over the whole sequence."""
+    theirs, _ = models
+    tokens = torch.tensor([random_prompts(theirs.config.vocab_size, (140,))[0]])
+    with torch.no_grad():
+        want = theirs(tokens).logits[0]
+        logits, cache = hf_cached_forward(theirs, tokens[:, :130])
+        steps = [logits[0, -1]]
+        for t in range(130, 139):
+            logits, cache = hf_cached_forward(theirs, tokens[:, t : t + 1], cache)
+            steps.append(logits[0, -1])
+    torch.testing.assert_close(torch.stack(steps), want[129:139], atol=1e-4, rtol=1e-4)

@@ -95,6 +95,7 @@ Where transformers' computation differs from ours (their ``modeling_deepseek_v4.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 
@@ -549,11 +550,18 @@ def random_hf_model(hf_config, seed: int = 0, device=None, dtype: torch.dtype = 
     return model
 
 
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The cache's keyword (and output field) of ``model_class.forward``: ``cache`` from
+    transformers 5.25, ``past_key_values`` before it (deprecated there, removed in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def hf_cached_forward(hf_model, input_ids: torch.Tensor, cache=None):
     """transformers' own model (not a :class:`TransformersDSV4`) one step on with its own cache:
-    ``(logits, cache)``. The cache's keyword and output field are ``cache`` from transformers 5.25
-    and ``past_key_values`` before it (deprecated there, removed in 5.40)."""
-    name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+    ``(logits, cache)``, under either version's keyword (:func:`_cache_keyword`, looked up once per
+    model class, not per step)."""
+    name = _cache_keyword(type(hf_model))
     out = hf_model(input_ids, use_cache=True, **({name: cache} if cache is not None else {}))
     return out.logits, out[name]
 
