@@ -63,8 +63,10 @@ def test_transformers_forward_is_refused_with_a_message(models):
 
 def test_wrapping_a_wrapped_model_again_is_refused(models):
     _, ours = models
+    before = [layer.self_attn for layer in ours.hf.model.layers]
     with pytest.raises(ValueError, match=r"hf_model: the attention of layers \[0, 1, 2\] is already ours"):
         TransformersDSV4(ours.hf, CacheConfig(max_requests=2, max_seq_len=256, page_size=256, kv_format="v4.1-fp8"))
+    assert all(layer.self_attn is b for layer, b in zip(ours.hf.model.layers, before)), "the refused call replaced layers"
 
 
 def test_hf_cached_forward_steps_their_model_with_its_cache(models):
