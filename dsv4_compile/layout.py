@@ -379,7 +379,7 @@ def dequant_workspace(
 # ``>= P * token_bytes`` that is a multiple of 4 (float32 records stay aligned).
 
 INDEX_HEAD_DIM = 128  # DSV4's indexer key width (index_head_dim)
-INDEX_SCALE_MIN = 1e-4  # amax floor of the quantized indexer formats (before the division)
+INDEX_SCALE_MIN = 1e-4  # floor of the quantized indexer formats: of amax for FP8, of amax / 6 for FP4 (as SGLang)
 INDEX_ALIGN = 4  # index-cache page strides are multiples of it
 
 
@@ -474,7 +474,8 @@ def quantize_index(x: torch.Tensor, index_format: str | IndexFormat) -> tuple[to
     * ``"fp8"``: ``scale = max(amax, 1e-4) / 448`` (float32), ``codes = e4m3(clamp(x * (1 /
       scale), +-448))`` rounded to nearest even: ``float8_e4m3fn [..., 128]`` and float32
       ``[...]`` (NaN for a non-finite vector).
-    * ``"fp4"``: per group of 32 values, ``e = ceil(log2(max(amax, 1e-4) / 6))`` and the e2m1 codes
+    * ``"fp4"``: per group of 32 values, ``e = ceil(log2(max(amax / 6, 1e-4)))`` (the floor after the
+      division, as SGLang's FP4 indexer quantizer: an all-zero or quiet group gets ``2^-13``) and the e2m1 codes
       of ``x * 2^-e``, nearest, ties toward zero (0, 0.5, 1, 1.5, 2, 3, 4, 6; ``-0`` as ``+0``),
       element ``2i`` in the low nibble: ``uint8 [..., 64]`` and the UE8M0 bytes ``e + 127``,
       ``uint8 [..., 4]`` (a non-finite vector: codes 0, bytes 255).
@@ -490,7 +491,7 @@ def quantize_index(x: torch.Tensor, index_format: str | IndexFormat) -> tuple[to
         codes = (x * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return codes, scale
     groups = x.unflatten(-1, (INDEX_HEAD_DIM // 32, 32))
-    bound = (groups.abs().amax(-1).clamp_min(INDEX_SCALE_MIN) / FP4_MAX).nan_to_num(nan=1.0, posinf=1.0)
+    bound = (groups.abs().amax(-1) / FP4_MAX).clamp_min(INDEX_SCALE_MIN).nan_to_num(nan=1.0, posinf=1.0)
     e = ceil_log2(bound)
     a = (groups * _ue8m0_to_float(UE8M0_BIAS - e)[..., None]).abs()  # * 2^-e
     code = (

@@ -79,7 +79,7 @@ def model_key(values: list[float], name: str) -> tuple[bytes, bytes]:
     codes, exponents = [], []
     for g in range(4):
         group = values[32 * g : 32 * g + 32]
-        e = ceil_log2(f32(max(max(abs(v) for v in group), f32(1e-4)) / 6.0))
+        e = ceil_log2(max(f32(max(abs(v) for v in group) / 6.0), f32(1e-4)))  # the floor after the division
         exponents.append(e + 127)
         codes += [e2m1_code(v * 2.0**-e) for v in group]
     return bytes(codes[i] | codes[i + 1] << 4 for i in range(0, DIM, 2)), bytes(exponents)
@@ -333,6 +333,33 @@ def test_triton_store_bytes(name, device):
     want = model_store(cache, keys, slots, page_size, name)
     triton_store(keys, cache, slots.int(), page_size, name)
     assert torch.equal(cache.cpu(), want)
+
+
+def assert_fp4_bytes_as_sglang(store, device) -> None:
+    """FP4 keys whose groups are all zero, tiny (amax below ``6e-4``) or quiet beside an outlier
+    get the UE8M0 bytes SGLang's FP4 indexer quantizer writes, ``127 + ceil(log2(max(amax / 6,
+    1e-4)))`` (the floor after the division: ``2^-13``, byte 114), and their codes against that
+    scale. The bytes are written out by hand here."""
+    keys = torch.zeros(4, DIM)  # key 0: zero
+    keys[1] = 3e-4  # amax / 6 = 5e-5 < 1e-4: 2^-13; codes of 3e-4 * 2^13 = 2.46: e2m1 2.0 (code 4)
+    keys[2] = 1e-5  # quiet groups beside an outlier: 2^-13
+    keys[2, 0] = 40.0  # 40 / 6 = 6.7: 2^3 (byte 130)
+    keys[3] = 0.75  # 0.75 / 6 = 2^-3 exactly (byte 124): a floor-free group, as before
+    cache = torch.zeros(1, layout.INDEX_FP4.page_bytes(4), dtype=torch.uint8, device=device)
+    store(keys.to(device), cache, torch.arange(4, device=device), 4, "fp4")
+    data, scales = (r[0].cpu() for r in layout.index_records(cache, 4, "fp4"))
+    assert scales.tolist() == [[114] * 4, [114] * 4, [130, 114, 114, 114], [124] * 4]
+    assert data[0].tolist() == [0] * 64 and data[1].tolist() == [0x44] * 64
+
+
+@not_interpreted
+def test_reference_fp4_store_writes_sglangs_bytes_for_zero_tiny_and_quiet_groups():
+    assert_fp4_bytes_as_sglang(reference_store, "cpu")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_fp4_store_writes_sglangs_bytes_for_zero_tiny_and_quiet_groups(device):
+    assert_fp4_bytes_as_sglang(triton_store, device)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

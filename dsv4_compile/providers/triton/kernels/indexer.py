@@ -235,7 +235,7 @@ def index_store_kernel(
             tl.store(scales, scale, mask=live)
         else:
             groups = tl.reshape(x, (BLOCK_T, 4, 32))
-            bound = tl.div_rn(tl.maximum(tl.max(tl.abs(groups), axis=2), _SCALE_MIN), _FP4_MAX)
+            bound = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), axis=2), _FP4_MAX), _SCALE_MIN)  # floor after /6
             bits = bound.to(tl.int32, bitcast=True)
             e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2)
             e = tl.where(finite[:, None], e, 0)
