@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from . import checks
+from .generation import StepLimits
 
 MODES = ("prefill", "decode")
 #: the step's inputs, in order (:mod:`dsv4_compile.generation`); token-indexed ones first
@@ -221,6 +222,9 @@ class PackagedModel:
         device = self.device
         self.max_tokens, self.max_requests = decode["max_tokens"], decode["max_requests"]
         self.max_seq_len, self.vocab_size = decode["max_seq_len"], decode["vocab_size"]
+        #: what :mod:`dsv4_compile.generation` checks before each step it builds (the model's build
+        #: held max_seq_len within max_position_embeddings)
+        self.step_limits = StepLimits(self.vocab_size, self.max_seq_len, self.max_seq_len, self.max_requests)
         self.states = {
             name: torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
             for name, spec in decode["states"].items()

@@ -212,6 +212,23 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
     return torch.div(slots, page_size, rounding_mode="floor"), torch.remainder(slots, page_size)
 
 
+def table_slots(block_table: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int64 slots of ``entries`` (token or block ids, any shape broadcasting with ``rows[..., None]``
+    or ``rows``) of the requests whose pages are ``block_table[rows]`` (``[R, P]`` page ids):
+    ``block_table[row, e // page_size] * page_size + e % page_size``; ``-1`` where ``entries < 0``."""
+    page, offset = page_and_offset(entries.clamp_min(0), page_size)
+    pages = block_table[rows, page].long()
+    return torch.where(entries >= 0, slot(pages, offset, page_size), -1)
+
+
+def visible_slots(block_table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                  width: int) -> torch.Tensor:
+    """``[n, width]`` int64: the slots of blocks ``0 .. lengths[i] - 1`` of request ``rows[i]``
+    (:func:`table_slots`), ``-1`` past them: the ``block_slots`` of ``dsv4::indexer_cache_logits``."""
+    k = torch.arange(width, device=rows.device)
+    return table_slots(block_table, rows[:, None], torch.where(k < lengths[:, None], k, -1), page_size)
+
+
 def flashmla_view(kvcache: torch.Tensor, page_size: int, kv_format: str | CacheFormat = "v4") -> torch.Tensor:
     """The view FlashMLA's kernels read: ``float8_e4m3fn [num_pages, P, 1, token_bytes]``, page
     stride kept (584 for ``v4``; 528 / 288 for V4.1 FP8 / FP4).

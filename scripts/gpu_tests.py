@@ -28,11 +28,13 @@ SHARDS: list[list[str]] = [
     [
         "tests/test_triton_store.py",
         "tests/test_indexer_cache.py",
+        "tests/test_indexer_cache_topk.py",
         "tests/test_indexer_logits.py",
         "tests/test_indexer_topk.py",
         "tests/test_rope.py",
         "tests/test_batch_invariance.py",
         "tests/test_tp.py",
+        "tests/test_step_limits.py",
     ],
 ]
 

@@ -288,20 +288,33 @@ def test_changing_token_and_request_counts_recompiles_at_most_once(ratio, mode, 
 
 
 def record_selections(layer: DeepseekV4Attention) -> list:
-    """Make ``layer``'s indexer append ``(logits, lengths, blocks)`` of each selection it makes to
-    the returned list, eagerly and in compiled code (a side effect Dynamo replays after the graph);
-    an empty list for layers without an indexer."""
+    """Make ``layer``'s indexer append ``(q, weights, q_scales, rows, lengths, blocks)`` of each
+    selection it makes to the returned list, eagerly and in compiled code (a side effect Dynamo
+    replays after the graph); an empty list for layers without an indexer."""
     seen = []
     if layer.indexer is not None:
         select = layer.indexer.select
 
-        def recorded(logits, lengths):
-            blocks = select(logits, lengths)
-            seen.append((logits, lengths, blocks))
+        def recorded(q, weights, q_scales, plan):
+            blocks = select(q, weights, q_scales, plan)
+            seen.append((q, weights, q_scales, plan.rows, plan.lengths, blocks))
             return blocks
 
         layer.indexer.select = recorded
     return seen
+
+
+def selection(layer: DeepseekV4Attention, seen: list, page_table: torch.Tensor) -> tuple | None:
+    """``(logits, lengths, blocks)`` on CPU of the first selection ``seen`` recorded, the logits of
+    every visible block (``dsv4::indexer_cache_logits`` over the layer's key cache after the
+    step, the computation the selection ranks); ``None`` without one."""
+    if not seen:
+        return None
+    q, weights, q_scales, rows, lengths, blocks = seen[0]
+    ix = layer.indexer
+    slots = layout.visible_slots(page_table, rows, lengths, ix.page_size, CACHE.max_blocks(4))
+    logits = torch.ops.dsv4.indexer_cache_logits(q, weights, ix.key_cache, slots, ix.page_size, ix.format.name, q_scales)
+    return logits.cpu(), lengths.cpu(), blocks.cpu()
 
 
 class CudaRun(NamedTuple):
@@ -328,8 +341,9 @@ def cuda_run(ratio: int, step: str, emulate_precision_casts: bool = False) -> Cu
     with torch.no_grad():
         want = layer_step(eager, **args)
         got = torch.compile(layer_step, fullgraph=True, options=options)(compiled, **args)
-    on_cpu = lambda seen: tuple(t.cpu() for t in seen[0]) if seen else None  # noqa: E731
-    return CudaRun(compiled, eager, got.cpu(), want.cpu(), on_cpu(seen_compiled), on_cpu(seen_eager))
+        got_selection = selection(compiled, seen_compiled, args["page_table"])
+        want_selection = selection(eager, seen_eager, args["page_table"])
+    return CudaRun(compiled, eager, got.cpu(), want.cpu(), got_selection, want_selection)
 
 
 def same_selection_rows(run: CudaRun) -> torch.Tensor:

@@ -62,3 +62,39 @@ def test_prefill_workspace_holds_each_rows_window():
     idx = meta.window_indices[:, 0]
     assert idx[2].tolist() == [5, 4, 3, -1]  # position 2 of request 1 -> rows of positions 2, 1, 0
     assert [ws[i] for i in idx[4].tolist()] == [swa_slot(0, p) for p in (6, 5, 4, 3)]
+
+
+def test_plans_address_blocks_through_the_page_table():
+    """A plan's :meth:`slots` of each query's blocks: the page table's page, the offset in it."""
+    meta = build([6, 1], [0, 127], "decode")  # request 1: positions 0..5; request 0: position 127
+    c4 = meta.plans[4]
+    blocks = torch.tensor([[0, -1]] * 6 + [[31, 40]])
+    slots = c4.slots(blocks).tolist()
+    assert slots[0] == [int(PAGE_TABLE[1, 0]) * 32, -1]
+    assert slots[6] == [int(PAGE_TABLE[0, 0]) * 32 + 31, int(PAGE_TABLE[0, 1]) * 32 + 8]  # block 40: page 1
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name))
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def test_step_metadata_holds_no_table_of_tokens_by_blocks():
+    """At a long context no tensor of the step's metadata is ``[T, max_blocks]``: its size follows
+    the step's tokens, requests and window (the prefill workspace's block slots are ``[B,
+    max_blocks]``), not tokens times the cache's reach."""
+    cache = CacheConfig(max_requests=2, max_seq_len=1 << 16, page_size=256)
+    pages = torch.arange(cache.num_pages, dtype=torch.int32).view(2, -1)
+    for mode in ("prefill", "decode"):
+        args = step_inputs([[0] * 200, [0] * 100], [60000, 3000], "cpu")
+        del args["input_ids"]
+        meta = build_step_metadata(**args, page_table=pages, cache=cache, window=128, ratios=(4, 128), mode=mode)
+        largest = max(t.numel() for t in _tensors(meta) if t is not pages)
+        # [B, M] (the workspace's blocks) or [T, W] (the window) at most; [T, M] would be 4.9 M
+        assert largest <= max(2 * cache.max_blocks(4), 300 * 128), (mode, largest)

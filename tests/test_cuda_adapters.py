@@ -77,6 +77,7 @@ def test_provider_choice(provider):
         "indexer_topk": "reference",
         "indexer_store": "reference",
         "indexer_cache_logits": "reference",
+        "indexer_cache_topk": "reference",
         "rope_": "reference",  # the Triton one registers separately
     }
 

@@ -60,7 +60,7 @@ def test_program_keeps_the_ops_and_mutates_the_state_buffers():
     program = export_step(model, "decode", max_tokens=64)
     assert dsv4_ops(program) == [
         "dsv4::flash_mla_with_kvcache", "dsv4::fused_k_norm_rope_flashmla", "dsv4::get_mla_metadata_stacked",
-        "dsv4::indexer_cache_logits", "dsv4::indexer_store", "dsv4::indexer_topk", "dsv4::rope_",
+        "dsv4::indexer_cache_topk", "dsv4::indexer_store", "dsv4::rope_",
     ]
     states = {f"model.{name}" for name in model.state_buffers()}
     assert {spec.target for spec in program.graph_signature.input_specs if spec.kind.name == "BUFFER"} >= states
@@ -78,8 +78,8 @@ def test_program_keeps_the_ops_and_mutates_the_state_buffers():
 
 def test_prefill_program_calls_the_prefill_op():
     assert dsv4_ops(export_step(make_model(), "prefill", max_tokens=64)) == [
-        "dsv4::flash_mla_sparse_fwd", "dsv4::fused_k_norm_rope_flashmla", "dsv4::indexer_cache_logits",
-        "dsv4::indexer_store", "dsv4::indexer_topk", "dsv4::rope_",
+        "dsv4::flash_mla_sparse_fwd", "dsv4::fused_k_norm_rope_flashmla", "dsv4::indexer_cache_topk",
+        "dsv4::indexer_store", "dsv4::rope_",
     ]
 
 

@@ -103,7 +103,7 @@ def test_decode(case):
     torch.library.opcheck(torch.ops.dsv4.flash_mla_with_kvcache.default, decode_sample(*DECODE_CASES[case]))
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill", "indexer_logits", "indexer_cache_logits"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "indexer_logits", "indexer_cache_logits", "indexer_cache_topk"])
 def test_batch_invariant_calls(op):
     """The ops that take ``batch_invariant``, called with it (the mode's kernels, one row at a
     time on CPU)."""
@@ -113,6 +113,8 @@ def test_batch_invariant_calls(op):
         "indexer_logits": (torch.ops.dsv4.indexer_logits.default, indexer_sample(3, 64, 128, 40, torch.int64)),
         "indexer_cache_logits": (torch.ops.dsv4.indexer_cache_logits.default,
                                  index_cache_sample("fp4", 3, 5, 9, torch.int64)[1]),
+        "indexer_cache_topk": (torch.ops.dsv4.indexer_cache_topk.default,
+                               cache_topk_sample("fp4", 3, 5, 2, 4, torch.int64)),
     }[op]
     torch.library.opcheck(overload, (*args, True))
 
@@ -199,6 +201,35 @@ def test_indexer_cache_logits(case):
     torch.library.opcheck(torch.ops.dsv4.indexer_cache_logits.default, args, test_utils=utils)
 
 
+#: (format, query rows, heads, block-table pages, k, int dtype): each format; k past the widest
+#: visible row; no row; k = 0
+CACHE_TOPK_CASES = {
+    f"{name}-T{t}-H{h}-P{p}-k{k}-{str(dtype).removeprefix('torch.')}": (name, t, h, p, k, dtype)
+    for name, t, h, p, k, dtype in [
+        ("fp32", 5, 4, 2, 6, torch.int64), ("fp8", 7, 64, 3, 10, torch.int32), ("fp4", 3, 5, 2, 16, torch.int64),
+        ("fp8", 0, 4, 2, 4, torch.int64), ("fp4", 2, 4, 1, 0, torch.int32),
+    ]
+}
+
+
+def cache_topk_sample(name, tokens, heads, pages, k, dtype):
+    """``indexer_cache_topk`` arguments over :func:`index_cache_sample`'s cache: two requests'
+    pages, queries on either seeing up to every block of their request."""
+    page_size = 8
+    (_, cache, _, _, _), (codes, weights, _, _, _, _, scales) = index_cache_sample(name, tokens, heads, 0, dtype)
+    block_table = torch.stack([torch.randperm(3)[:pages], torch.randperm(3)[:pages]]).to(dtype)
+    rows = torch.randint(0, 2, (tokens,), dtype=dtype)
+    lengths = torch.randint(0, pages * page_size + 1, (tokens,), dtype=dtype)
+    return codes, weights, cache, block_table, rows, lengths, page_size, k, name, scales
+
+
+@pytest.mark.parametrize("case", list(CACHE_TOPK_CASES))
+def test_indexer_cache_topk(case):
+    args = cache_topk_sample(*CACHE_TOPK_CASES[case])
+    utils = [u for u in torch.library._OPCHECK_DEFAULT_UTILS if not (u == "test_schema" and args[8] == "fp8")]
+    torch.library.opcheck(torch.ops.dsv4.indexer_cache_topk.default, args, test_utils=utils)
+
+
 #: (rows, width, k): DSV4's selection; k = width; empty rows; k = 0
 TOPK_CASES = {f"T{t}-M{m}-k{k}": (t, m, k) for t, m, k in [(3, 1024, 512), (4, 37, 37), (0, 8, 3), (2, 8, 0)]}
 
@@ -228,5 +259,5 @@ def test_rope_(case):
 def test_sample_set_size():
     """Documented in the README: keep the sample set representative, not shrinking silently."""
     sets = (DECODE_CASES, PREFILL_CASES, STORE_CASES, METADATA_CASES, METADATA_STACKED_CASES, INDEXER_CASES,
-            TOPK_CASES, ROPE_CASES, INDEX_CACHE_CASES)
-    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4, 4, 3, 5]
+            TOPK_CASES, ROPE_CASES, INDEX_CACHE_CASES, CACHE_TOPK_CASES)
+    assert [len(c) for c in sets] == [64, 14, 9, 2, 4, 4, 4, 3, 5, 5]

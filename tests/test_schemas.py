@@ -71,6 +71,12 @@ class TestSchemas(expecttest.TestCase):
             """dsv4::indexer_cache_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor block_slots, int page_size, str index_format="fp8", Tensor? q_scales=None, bool batch_invariant=False) -> Tensor""",
         )
 
+    def test_indexer_cache_topk(self):
+        self.assertExpectedInline(
+            schema("indexer_cache_topk"),
+            """dsv4::indexer_cache_topk(Tensor q, Tensor weights, Tensor index_cache, Tensor block_table, Tensor table_rows, Tensor lengths, int page_size, int k, str index_format="fp8", Tensor? q_scales=None, bool batch_invariant=False) -> Tensor""",
+        )
+
     def test_rope_(self):
         self.assertExpectedInline(
             schema("rope_"),

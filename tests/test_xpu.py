@@ -192,7 +192,7 @@ def test_sgl_kernel_xpu_serves_every_op_it_has(standin):
     served = dispatch.providers("xpu")
     assert served.pop("quantize_store") != xpu_kernels.NAME  # sgl-kernel-xpu has no plain store
     # nor the indexer's ops, nor RoPE
-    indexer = ("indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits", "rope_")
+    indexer = ("indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits", "indexer_cache_topk", "rope_")
     assert all(served.pop(op) != xpu_kernels.NAME for op in indexer)
     assert served == {op: xpu_kernels.NAME for op in dispatch.OPS if op not in ("quantize_store", *indexer)}
 

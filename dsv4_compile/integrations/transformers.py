@@ -102,7 +102,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .. import layout
+from .. import checks, layout
+from ..generation import StepLimits
 from ..models.attention import DeepseekV4Attention
 from ..models.config import CacheConfig, DeepseekV4Config
 from ..models.metadata import build_step_metadata
@@ -460,6 +461,9 @@ class TransformersDSV4(nn.Module):
         super().__init__()
         self.config = config_from_hf(hf_model.config)
         self.cache = cache
+        #: the step inputs' bounds, as the model's (:class:`~dsv4_compile.generation.StepLimits`)
+        self.step_limits = StepLimits(self.config.vocab_size, self.config.max_position_embeddings, cache.max_seq_len,
+                                      cache.max_requests)
         self.hf = hf_model
         base = hf_model.model
         device = device if device is not None else next(hf_model.parameters()).device
@@ -479,6 +483,8 @@ class TransformersDSV4(nn.Module):
         self.register_buffer("page_table", pages.view(cache.max_requests, cache.pages_per_request), persistent=False)
 
     def forward(self, input_ids, positions, batch_index, seq_lens, req_slots, mode: str = "decode") -> torch.Tensor:
+        if not torch.compiler.is_compiling() and checks.checked_mode():  # a device sync
+            self.step_limits.check(input_ids, positions, req_slots)
         meta = build_step_metadata(
             positions, batch_index, seq_lens, req_slots, self.page_table, cache=self.cache,
             window=self.config.sliding_window, ratios=self.compressed_ratios, mode=mode,

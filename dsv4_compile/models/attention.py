@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import layout, ops
 from .compressor import Compressor
-from .config import CacheConfig, DeepseekV4Config
+from .config import CacheConfig, DeepseekV4Config, check_cache_fits
 from .indexer import Indexer
 from .linear import linear_split
 from .metadata import StepMetadata, counts_are_apart
@@ -72,6 +72,7 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         if compress_ratio not in (0, 4, 128):
             raise ValueError(f"compress_ratio must be 0, 4 or 128, got {compress_ratio}")
+        check_cache_fits(config, cache)
         self.compress_ratio = compress_ratio
         self.tp = tp
         self.heads = tp.split("num_attention_heads", config.num_attention_heads)  # this rank's
@@ -153,7 +154,7 @@ class DeepseekV4Attention(nn.Module):
                 blocks, tokens = self.indexer(x, q_lora, proj["indexer.compressor.wkv_gate"], meta)
                 remember.append((self.indexer.compressor, plan, tokens))
             else:  # ratio 128: every visible block
-                k = torch.arange(plan.block_slots.shape[1], device=x.device)
+                k = torch.arange(plan.max_blocks, device=x.device)
                 blocks = torch.where(k < plan.lengths[:, None], k, -1)
 
         attend = self._decode if meta.mode == "decode" else self._prefill
@@ -200,11 +201,10 @@ class DeepseekV4Attention(nn.Module):
                      extra_kv_format=None)
         if blocks is not None:
             plan = meta.plans[self.compress_ratio]
-            slots = torch.gather(plan.block_slots, 1, blocks.clamp_min(0))
             extra = dict(
                 extra_k_cache=self.compressed_cache,
                 extra_page_size=self.compressed_page_size,
-                extra_indices=torch.where(blocks >= 0, slots, -1).int().unsqueeze(1),
+                extra_indices=plan.slots(blocks).int().unsqueeze(1),
                 extra_topk_length=plan.visible(blocks.shape[1]),
                 extra_kv_format=self.compressed_format,
             )
@@ -227,7 +227,7 @@ class DeepseekV4Attention(nn.Module):
         indices = meta.window_indices
         if blocks is not None:
             plan = meta.plans[self.compress_ratio]
-            base = workspace.shape[0] + meta.batch_index[:, None] * plan.block_slots.shape[1]
+            base = workspace.shape[0] + meta.batch_index[:, None] * plan.max_blocks
             rows = torch.where(blocks >= 0, base + blocks, -1).int().unsqueeze(1)
             compressed = layout.dequant_workspace(
                 self.compressed_cache, self.compressed_page_size, plan.workspace_slots, self.compressed_format

@@ -178,6 +178,16 @@ class CacheConfig:
         return self.max_seq_len // ratio
 
 
+def check_cache_fits(config: DeepseekV4Config, cache: CacheConfig) -> None:
+    """A cache may hold no position the model has no RoPE for: ``ValueError`` naming both sizes
+    where ``cache.max_seq_len > config.max_position_embeddings``."""
+    if cache.max_seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"CacheConfig.max_seq_len ({cache.max_seq_len}) must be at most the model's "
+            f"max_position_embeddings ({config.max_position_embeddings}): positions past it have no RoPE"
+        )
+
+
 def tiny_config(**overrides) -> DeepseekV4Config:
     """A small DSV4 for tests and examples: the Flash RoPE/YaRN numbers, small widths, 4 heads.
 

@@ -14,13 +14,17 @@ PyTorch reference of its fused query kernel (``fused_q_indexer_rope_hadamard_qua
   latent is RMSNorm-ed (float32 weight), RoPE-d at the block's first position, Hadamard-rotated
   (quantized formats only), quantized and stored (op ``dsv4::indexer_store``).
 * logits over the request's visible blocks ``k < (pos+1)//4``:
-  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)``: op ``dsv4::indexer_cache_logits``
-  (docs/design.md §2.11), which reads only those blocks' keys.
-* tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
-  logits are all-reduced before the selection, so every rank selects the same blocks.
+  ``l[t, k] = sum_h w[t, h] * relu(<q[t, h], K_k>)`` (docs/design.md §2.11), reading only those
+  blocks' keys.
 * selection: all visible blocks in order when there are at most ``index_topk`` of them, else the
-  ``index_topk`` best (op ``dsv4::indexer_topk``, docs/design.md §2.9: in block order, equal
-  logits to the lower block, the same indices on every provider); ``-1`` pads to the fixed width.
+  ``index_topk`` best (docs/design.md §2.9: in block order, equal logits to the lower block, the
+  same indices on every provider); ``-1`` pads to the fixed width. Scored and selected in one op,
+  ``dsv4::indexer_cache_topk`` (§2.12), through the page table: a step holds no ``[T, context]``
+  slots or logits, whatever the context.
+* tensor parallelism (:mod:`.parallel`): each rank scores with its share of the heads and the
+  logits are all-reduced before the selection, so every rank selects the same blocks: there the
+  logits are a tensor (``dsv4::indexer_cache_logits`` over ``[T, max_blocks]`` slots, then
+  ``dsv4::indexer_topk``), whose size grows with the context.
 
 The key cache (``CacheConfig.index_format``, docs/design.md §2.11) is paged as the c4 cache (the
 same slots, ``page_size / 4`` blocks a page): ``"fp8"`` (the default, as SGLang) or ``"fp4"``
@@ -109,19 +113,29 @@ class Indexer(nn.Module):
         q, q_scales = layout.quantize_index(q, fmt)
         if fmt.values == "fp8":  # the query's scale rides on its head weight (relu(s x) = s relu(x))
             weights, q_scales = weights * q_scales, None
-        # only the visible blocks' keys are read (the op; -inf where a block is not visible);
-        # -inf summed over ranks stays -inf
-        logits = torch.ops.dsv4.indexer_cache_logits(
-            q, weights, self.key_cache, plan.block_slots, self.page_size, name, q_scales, invariance.enabled()
-        )
-        return self.select(self.tp.all_reduce(logits), plan.lengths), tokens
+        return self.select(q, weights, q_scales, plan), tokens
 
-    def select(self, logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Top-``index_topk`` block ids of ``logits [T, M]`` (``-inf`` = not visible), ``-1`` padded."""
-        num_blocks = logits.shape[1]
-        order = torch.arange(self.topk, device=logits.device)
-        in_order = torch.where(order < lengths[:, None], order, -1)  # every visible block
-        if num_blocks <= self.topk:
+    def select(self, q: torch.Tensor, weights: torch.Tensor, q_scales: torch.Tensor | None, plan) -> torch.Tensor:
+        """Top-``index_topk`` block ids ``[T, index_topk]`` of the quantized queries ``q`` (and
+        ``q_scales``) with head ``weights`` over each query's visible blocks, in block order, ties
+        to the lower block, ``-1`` padded; every visible block where there are at most
+        ``index_topk``. Reads only the visible blocks' keys."""
+        order = torch.arange(self.topk, device=q.device)
+        in_order = torch.where(order < plan.lengths[:, None], order, -1)  # every visible block
+        if plan.max_blocks <= self.topk:
             return in_order
-        best = torch.ops.dsv4.indexer_topk(logits, self.topk)  # in block order; ties to the lower block
-        return torch.where(lengths[:, None] <= self.topk, in_order, best)
+        name, invariant = self.format.name, invariance.enabled()
+        if self.tp.size == 1:  # scored and selected in one op: no [T, max_blocks] slots or logits
+            return torch.ops.dsv4.indexer_cache_topk(
+                q, weights, self.key_cache, plan.page_table, plan.rows, plan.lengths, self.page_size, self.topk,
+                name, q_scales, invariant,
+            )
+        # tensor parallel: each rank scores with its heads, the logits are summed over the ranks
+        # before the selection (-inf, not visible, stays -inf), so every rank selects the same blocks
+        k = torch.arange(plan.max_blocks, device=q.device)
+        slots = plan.slots(torch.where(k < plan.lengths[:, None], k, -1))
+        logits = torch.ops.dsv4.indexer_cache_logits(
+            q, weights, self.key_cache, slots, self.page_size, name, q_scales, invariant
+        )
+        best = torch.ops.dsv4.indexer_topk(self.tp.all_reduce(logits), self.topk)  # block order; ties to the lower
+        return torch.where(plan.lengths[:, None] <= self.topk, in_order, best)

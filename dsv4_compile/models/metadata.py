@@ -97,7 +97,12 @@ class CompressPlan:
 
     ratio: int
     lengths: torch.Tensor  # [T] int64: compressed blocks visible to each query, (pos+1) // ratio
-    block_slots: torch.Tensor  # [T, M] int64: slot of block k of the query's request, -1 if k >= lengths
+    #: the step's page table ``[R, P]``: block ``k`` of request ``r`` is at slot ``page_table[r, k //
+    #: per_page] * per_page + k % per_page`` of the ratio's caches (:meth:`slots`)
+    page_table: torch.Tensor
+    rows: torch.Tensor  # [T] int64: the page-table row (request) of each query
+    per_page: int  # compressed blocks a page
+    max_blocks: int  # M: compressed blocks a request can reach (CacheConfig.max_blocks)
     block_offset: torch.Tensor  # [T] int64: pos % ratio, the token's place in its block (row of ape)
     emit_slot: torch.Tensor  # [N] int64: cache slot of the block candidate n completes, or -1
     emit_pos: torch.Tensor  # [N] int64: first position of that block (its RoPE position)
@@ -116,6 +121,12 @@ class CompressPlan:
         """``[T]`` int32: the compressed blocks a decode with extra indices ``width`` wide counts
         per query (its ``extra_topk_length``): the visible ones, at most ``width``."""
         return torch.clamp(self.lengths, max=width).int()
+
+    def slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``[T, n]`` int64 cache slots of each query's blocks ``blocks [T, n]`` (block ids of its
+        request, ``-1``: none, kept ``-1``). Nothing of the width of the context is built unless
+        ``blocks`` is that wide."""
+        return layout.table_slots(self.page_table, self.rows[:, None], blocks, self.per_page)
 
 
 @dataclass
@@ -269,9 +280,6 @@ def _compress_plan(
 
     # visible blocks: block k is complete once position k*ratio + ratio - 1 is stored
     lengths = torch.div(positions + 1, ratio, rounding_mode="floor")
-    k = torch.arange(max_blocks, device=device)
-    request_blocks = slot_of(page_table, req_slots[:, None], k, per_page)  # [B, M]
-    block_slots = torch.where(k < lengths[:, None], request_blocks[batch_index], -1)
 
     # candidates: the n-th token (in row order) that ends a block -> n-th compressed output
     candidates = num_tokens // ratio + batch
@@ -288,13 +296,18 @@ def _compress_plan(
     emit_pos = torch.where(valid, block * ratio, 0)
 
     workspace_slots = None
-    if mode == "prefill":
+    if mode == "prefill":  # [B, M]: the batch rows' blocks, not the tokens'
+        k = torch.arange(max_blocks, device=device)
         filled = torch.div(seq_lens, ratio, rounding_mode="floor")
-        workspace_slots = torch.where(k < filled[:, None], request_blocks, -1).flatten()
+        workspace_slots = torch.where(k < filled[:, None], slot_of(page_table, req_slots[:, None], k, per_page), -1)
+        workspace_slots = workspace_slots.flatten()
     plan = CompressPlan(
         ratio=ratio,
         lengths=lengths,
-        block_slots=block_slots,
+        page_table=page_table,
+        rows=req,
+        per_page=per_page,
+        max_blocks=max_blocks,
         block_offset=positions % ratio,
         emit_slot=emit_slot,
         emit_pos=emit_pos,

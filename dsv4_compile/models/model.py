@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import checks
+from ..generation import StepLimits
 from .attention import DeepseekV4Attention
 from .config import CacheConfig, DeepseekV4Config
 from .metadata import build_step_metadata
@@ -77,6 +79,10 @@ class DeepseekV4Model(nn.Module):
     ``tp``: tensor parallelism over ``torch.distributed`` (:class:`~.parallel.TensorParallel`,
     e.g. ``TensorParallel.from_group()`` on each rank): the rank holds its share of the heads and
     the same weights as the unsharded model of the same seed; every rank returns the full logits.
+
+    ``step_limits`` (:class:`~dsv4_compile.generation.StepLimits`): the bounds of a step's token
+    ids, positions and request slots; :mod:`dsv4_compile.generation` checks them on the host
+    before every step it builds, and ``forward`` checks them in checked mode (eager).
     """
 
     def __init__(
@@ -91,6 +97,8 @@ class DeepseekV4Model(nn.Module):
     ):
         super().__init__()
         self.config, self.cache = config, cache
+        self.step_limits = StepLimits(config.vocab_size, config.max_position_embeddings, cache.max_seq_len,
+                                      cache.max_requests)
         self.tp = tp = tp or SINGLE
         ratios = config.compress_ratios[: config.num_hidden_layers]
         self.compressed_ratios = tuple(sorted({r for r in ratios if r}))
@@ -119,6 +127,8 @@ class DeepseekV4Model(nn.Module):
         req_slots: torch.Tensor,
         mode: str = "decode",
     ) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and checks.checked_mode():  # a device sync
+            self.step_limits.check(input_ids, positions, req_slots)
         meta = build_step_metadata(
             positions, batch_index, seq_lens, req_slots, self.page_table,
             cache=self.cache, window=self.config.sliding_window,

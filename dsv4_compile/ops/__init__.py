@@ -7,7 +7,7 @@ one ``registry.define(OpSpec(...))``, and the public wrapper.
 * :mod:`.store` — ``fused_k_norm_rope_flashmla``, ``quantize_store`` (§2.1)
 * :mod:`.decode` — ``flash_mla_with_kvcache``, ``get_mla_metadata``, ``get_mla_metadata_stacked`` (§2.3)
 * :mod:`.prefill` — ``flash_mla_sparse_fwd`` (§2.4)
-* :mod:`.indexer` — ``indexer_logits``, ``indexer_topk``, ``indexer_store``, ``indexer_cache_logits`` (§2.8, §2.9, §2.11)
+* :mod:`.indexer` — ``indexer_logits``, ``indexer_topk``, ``indexer_store``, ``indexer_cache_logits``, ``indexer_cache_topk`` (§2.8, §2.9, §2.11, §2.12)
 * :mod:`.rope` — ``rope_`` (§2.10)
 * :mod:`.registry` — :func:`~.registry.define`: the ``torch.library`` registration, the eager
   fast path and the op list, from one ``OpSpec``

@@ -22,7 +22,7 @@ import torch
 
 from .. import dispatch, layout
 from ..ops.decode import decode_outputs, metadata_outputs
-from ..ops.indexer import indexer_logits_output, indexer_topk_output
+from ..ops.indexer import indexer_cache_topk_output, indexer_logits_output, indexer_topk_output
 from ..ops.prefill import prefill_outputs
 
 #: Upper bound on the bytes of temporaries (gathered keys, their dequantization, scores) one step
@@ -463,6 +463,51 @@ def indexer_topk(logits, k):
 
 
 # --------------------------------------------------------------------------------------------
+# indexer_cache_topk (the selection over the paged indexer key cache, through a block table)
+# --------------------------------------------------------------------------------------------
+
+def cache_topk_in_groups(cache_logits, topk, group_bytes: int, q, weights, index_cache, block_table, table_rows,
+                         lengths, page_size, k, index_format, q_scales, batch_invariant):
+    """``dsv4::indexer_cache_topk`` as ``topk(cache_logits(...))`` of groups of rows whose visible
+    slots and logits (``[rows, width]``, 12 bytes an entry, ``width = P * page_size``) fit in
+    ``group_bytes``; a row with at most ``k`` visible blocks takes them all, in order. A row's
+    result depends on its own group only through ``cache_logits`` (batch-invariant where that
+    is): the selection is exact."""
+    tokens = q.shape[0]
+    width = block_table.shape[1] * page_size
+    out = indexer_cache_topk_output(q, k)
+    if tokens == 0 or k == 0:
+        return out
+    order = torch.arange(k, device=q.device)
+    rows = max(1, group_bytes // (12 * width))
+    for t in range(0, tokens, rows):
+        sl = slice(t, t + rows)
+        visible = lengths[sl].long()
+        chosen = torch.where(order < visible[:, None], order, -1)  # every visible block
+        if k < width:
+            slots = layout.visible_slots(block_table, table_rows[sl].long(), visible, page_size, width)
+            logits = cache_logits(q[sl], weights[sl], index_cache, slots, page_size, index_format,
+                                  None if q_scales is None else q_scales[sl], batch_invariant)
+            chosen = torch.where(visible[:, None] <= k, chosen, topk(logits, k))
+        out[sl] = chosen
+    return out
+
+
+#: Bytes of one group's visible slots and logits in ``dsv4::indexer_cache_topk``: the two ops it
+#: runs per group hold up to :data:`CHUNK_BYTES` more of their own.
+CACHE_TOPK_GROUP_BYTES = CHUNK_BYTES // 4
+
+
+def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths, page_size, k,
+                       index_format=layout.INDEX_FP8, q_scales=None, batch_invariant=False):
+    """:func:`indexer_topk` of :func:`indexer_cache_logits` over each row's visible blocks, in
+    groups of rows within :data:`CACHE_TOPK_GROUP_BYTES` (:func:`cache_topk_in_groups`)."""
+    return cache_topk_in_groups(indexer_cache_logits, indexer_topk, CACHE_TOPK_GROUP_BYTES, q, weights, index_cache,
+                                block_table, table_rows, lengths, page_size, k, index_format, q_scales,
+                                batch_invariant)
+
+
+# --------------------------------------------------------------------------------------------
 # rope_ (the RoPE of the last 64 dims, in place)
 # --------------------------------------------------------------------------------------------
 
@@ -491,10 +536,12 @@ KERNELS = {
     "indexer_topk": indexer_topk,
     "indexer_store": indexer_store,
     "indexer_cache_logits": indexer_cache_logits,
+    "indexer_cache_topk": indexer_cache_topk,
     "rope_": rope_,
 }
 
 dispatch.register_provider(dispatch.Provider(
     dispatch.REFERENCE, "*", lambda device: KERNELS, fallback=True, checks_data=True,
-    invariant=dict.fromkeys(("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "indexer_logits", "indexer_cache_logits")),
+    invariant=dict.fromkeys(("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "indexer_logits", "indexer_cache_logits",
+                             "indexer_cache_topk")),
 ))

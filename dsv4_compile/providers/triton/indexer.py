@@ -44,9 +44,15 @@ import torch
 
 from ... import dispatch, layout
 from ...ops.indexer import indexer_logits_output, indexer_topk_output
+from .. import reference
 from . import common as triton_common
 
 OP, TOPK, STORE, CACHE = "indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits"
+CACHE_TOPK = "indexer_cache_topk"
+#: Bytes of one group's visible slots and logits in ``dsv4::indexer_cache_topk``
+#: (:func:`indexer_cache_topk`): a prefill chunk's selection holds this much at a time, whatever
+#: the context (at a 1M-token cache, 170 rows a group).
+CACHE_TOPK_GROUP_BYTES = 512 << 20
 NAME = "triton"
 #: Launch geometry (a rule, from a sweep on the H200: benchmarks/history/RESULTS-notebook.md):
 #: 64 blocks per program and 32 heads per ``tl.dot`` up to 128-dim keys, 16 and 16 beyond (the
@@ -277,6 +283,18 @@ def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_
     return logits
 
 
+def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths, page_size, k,
+                       index_format=layout.INDEX_FP8, q_scales=None, batch_invariant=False):
+    """``dsv4::indexer_cache_topk`` (eager) on validated arguments: :func:`indexer_cache_logits`
+    and :func:`indexer_topk` of groups of rows within :data:`CACHE_TOPK_GROUP_BYTES`
+    (:func:`~dsv4_compile.providers.reference.cache_topk_in_groups`); no host sync. As exact as
+    those two: the logits kernel's per-row computation and the exact top-k."""
+    return reference.cache_topk_in_groups(
+        indexer_cache_logits, indexer_topk, CACHE_TOPK_GROUP_BYTES, q, weights, index_cache, block_table, table_rows,
+        lengths, page_size, k, index_format, q_scales, batch_invariant,
+    )
+
+
 def precision(device: torch.device) -> str:
     """The ``tl.dot`` precision of float32 scores on ``device``: ``"tf32x3"`` on NVIDIA GPUs of
     compute capability 8.0 or later, compiled (three TF32 tensor-core products per float32 one:
@@ -288,14 +306,16 @@ def precision(device: torch.device) -> str:
 def load(device: torch.device) -> dict:
     """Provider loader: the kernel, or :class:`~dsv4_compile.dispatch.ProviderUnavailable` saying why."""
     triton_common.require_device(_kernels().logits_kernel, device, "indexer")
-    return {OP: indexer_logits, TOPK: indexer_topk, STORE: indexer_store, CACHE: indexer_cache_logits}
+    return {OP: indexer_logits, TOPK: indexer_topk, STORE: indexer_store, CACHE: indexer_cache_logits,
+            CACHE_TOPK: indexer_cache_topk}
 
 
 def register() -> None:
     """Register the indexer's ``triton`` entries for ``"cuda"`` and ``"xpu"`` (idempotent; imports nothing)."""
     for device_type in triton_common.DEVICE_TYPES:
         dispatch.register_provider(dispatch.Provider(
-            NAME, device_type, load, ops=(OP, TOPK, STORE, CACHE), fallback=True, invariant=dict.fromkeys((OP, CACHE)),
+            NAME, device_type, load, ops=(OP, TOPK, STORE, CACHE, CACHE_TOPK), fallback=True,
+            invariant=dict.fromkeys((OP, CACHE, CACHE_TOPK)),
         ))
 
 
