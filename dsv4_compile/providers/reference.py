@@ -466,20 +466,22 @@ def indexer_topk(logits, k):
 # indexer_cache_topk (the selection over the paged indexer key cache, through a block table)
 # --------------------------------------------------------------------------------------------
 
-def cache_topk_in_groups(cache_logits, topk, group_bytes: int, q, weights, index_cache, block_table, table_rows,
+#: Bytes an entry of a group's visible slots (int64) and logits (float32) in ``dsv4::indexer_cache_topk``.
+CACHE_TOPK_ENTRY_BYTES = 12
+
+
+def cache_topk_in_groups(cache_logits, topk, rows: int, q, weights, index_cache, block_table, table_rows,
                          lengths, page_size, k, index_format, q_scales, batch_invariant):
-    """``dsv4::indexer_cache_topk`` as ``topk(cache_logits(...))`` of groups of rows whose visible
-    slots and logits (``[rows, width]``, 12 bytes an entry, ``width = P * page_size``) fit in
-    ``group_bytes``; a row with at most ``k`` visible blocks takes them all, in order. A row's
-    result depends on its own group only through ``cache_logits`` (batch-invariant where that
-    is): the selection is exact."""
+    """``dsv4::indexer_cache_topk`` as ``topk(cache_logits(...))`` of groups of ``rows`` rows (their
+    visible slots and logits: ``[rows, P * page_size]``, :data:`CACHE_TOPK_ENTRY_BYTES` an entry);
+    a row with at most ``k`` visible blocks takes them all, in order. A row's result depends on its
+    group only through ``cache_logits`` (batch-invariant where that is): the selection is exact."""
     tokens = q.shape[0]
     width = block_table.shape[1] * page_size
     out = indexer_cache_topk_output(q, k)
     if tokens == 0 or k == 0:
         return out
     order = torch.arange(k, device=q.device)
-    rows = max(1, group_bytes // (12 * width))
     for t in range(0, tokens, rows):
         sl = slice(t, t + rows)
         visible = lengths[sl].long()
@@ -502,7 +504,8 @@ def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths
                        index_format=layout.INDEX_FP8, q_scales=None, batch_invariant=False):
     """:func:`indexer_topk` of :func:`indexer_cache_logits` over each row's visible blocks, in
     groups of rows within :data:`CACHE_TOPK_GROUP_BYTES` (:func:`cache_topk_in_groups`)."""
-    return cache_topk_in_groups(indexer_cache_logits, indexer_topk, CACHE_TOPK_GROUP_BYTES, q, weights, index_cache,
+    rows = max(1, CACHE_TOPK_GROUP_BYTES // (CACHE_TOPK_ENTRY_BYTES * block_table.shape[1] * page_size))
+    return cache_topk_in_groups(indexer_cache_logits, indexer_topk, rows, q, weights, index_cache,
                                 block_table, table_rows, lengths, page_size, k, index_format, q_scales,
                                 batch_invariant)
 

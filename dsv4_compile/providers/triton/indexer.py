@@ -49,9 +49,9 @@ from . import common as triton_common
 
 OP, TOPK, STORE, CACHE = "indexer_logits", "indexer_topk", "indexer_store", "indexer_cache_logits"
 CACHE_TOPK = "indexer_cache_topk"
-#: Bytes of one group's visible slots and logits in ``dsv4::indexer_cache_topk``
-#: (:func:`indexer_cache_topk`): a prefill chunk's selection holds this much at a time, whatever
-#: the context (at a 1M-token cache, 170 rows a group).
+#: Bytes of one group's visible slots and logits in ``dsv4::indexer_cache_topk`` that
+#: :func:`cache_topk_rows` aims at: a prefill chunk's selection holds about this much at a time,
+#: whatever the context.
 CACHE_TOPK_GROUP_BYTES = 512 << 20
 NAME = "triton"
 #: Launch geometry (a rule, from a sweep on the H200: benchmarks/history/RESULTS-notebook.md):
@@ -289,10 +289,24 @@ def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths
     and :func:`indexer_topk` of groups of rows within :data:`CACHE_TOPK_GROUP_BYTES`
     (:func:`~dsv4_compile.providers.reference.cache_topk_in_groups`); no host sync. As exact as
     those two: the logits kernel's per-row computation and the exact top-k."""
+    rows = cache_topk_rows(q.device, block_table.shape[1] * page_size)
     return reference.cache_topk_in_groups(
-        indexer_cache_logits, indexer_topk, CACHE_TOPK_GROUP_BYTES, q, weights, index_cache, block_table, table_rows,
+        indexer_cache_logits, indexer_topk, rows, q, weights, index_cache, block_table, table_rows,
         lengths, page_size, k, index_format, q_scales, batch_invariant,
     )
+
+
+def cache_topk_rows(device: torch.device, width: int) -> int:
+    """Rows a group of :func:`indexer_cache_topk` (rows of ``width`` columns): as many whole waves
+    of the logits kernel's programs (:data:`PROGRAMS_PER_UNIT` per SM / Xe-core, a program per row
+    when rows fill the device) as fit in :data:`CACHE_TOPK_GROUP_BYTES`, one wave at least. A
+    group of 341 rows, the budget's at a 512K-token cache, ran its logits in two waves on an H100's
+    264 program slots, the second 29% full: the prefill took 1.5x the time of whole-chunk groups
+    (benchmarks/RESULTS.md, "Long context"). One wave at a 1M-token cache on an H100: 264 rows,
+    792 MiB."""
+    wave = PROGRAMS_PER_UNIT * triton_common.compute_units(device)
+    fit = CACHE_TOPK_GROUP_BYTES // (reference.CACHE_TOPK_ENTRY_BYTES * width)
+    return max(wave, fit // wave * wave)
 
 
 def precision(device: torch.device) -> str:
