@@ -57,7 +57,9 @@ class DeepseekV4Attention(nn.Module):
     """One DSV4 attention layer of kind ``compress_ratio`` (0, 4 or 128) with its own caches.
 
     ``tp``: tensor parallelism (:mod:`.parallel`): this rank's share of the query heads, output
-    groups and indexer heads; the output is all-reduced over the group."""
+    groups and indexer heads; the output is all-reduced over the group. ``reuse_selection``
+    (ratio 4): attend the blocks the step's previous ratio-4 layer selected instead of running this
+    layer's indexer (``DeepseekV4Config.index_reuse``)."""
 
     def __init__(
         self,
@@ -68,12 +70,18 @@ class DeepseekV4Attention(nn.Module):
         device=None,
         dtype=torch.bfloat16,
         tp: TensorParallel = SINGLE,
+        reuse_selection: bool = False,
     ):
         super().__init__()
         if compress_ratio not in (0, 4, 128):
             raise ValueError(f"compress_ratio must be 0, 4 or 128, got {compress_ratio}")
         check_cache_fits(config, cache)
+        if reuse_selection and compress_ratio != 4:
+            raise ValueError(f"reuse_selection is for ratio-4 layers (the indexer's), got compress_ratio {compress_ratio}")
         self.compress_ratio = compress_ratio
+        #: attend the blocks an earlier ratio-4 layer of the step selected (``StepMetadata.selection``)
+        #: instead of running this layer's indexer (``DeepseekV4Config.index_reuse``)
+        self.reuse_selection = reuse_selection
         self.tp = tp
         self.heads = tp.split("num_attention_heads", config.num_attention_heads)  # this rank's
         self.groups = tp.split("o_groups", config.o_groups)
@@ -150,9 +158,14 @@ class DeepseekV4Attention(nn.Module):
                 latent, self.compressor.norm_weight, self.freqs, plan.emit_pos, plan.emit_slot,
                 self.compressed_cache, self.eps, self.compressed_page_size, self.compressed_format,
             )
-            if self.indexer is not None:
+            if self.reuse_selection:
+                if meta.selection is None:
+                    raise ValueError("reuse_selection: no ratio-4 layer selected blocks earlier in this step")
+                blocks = meta.selection
+            elif self.indexer is not None:
                 blocks, tokens = self.indexer(x, q_lora, proj["indexer.compressor.wkv_gate"], meta)
                 remember.append((self.indexer.compressor, plan, tokens))
+                meta.selection = blocks
             else:  # ratio 128: every visible block
                 k = torch.arange(plan.max_blocks, device=x.device)
                 blocks = torch.where(k < plan.lengths[:, None], k, -1)

@@ -52,9 +52,17 @@ class DeepseekV4Config:
     compress_ratios: tuple[int, ...] = FLASH_COMPRESS_RATIOS
     #: width of the small SwiGLU MLP of the test model (0: no MLP); DSV4's MoE is out of scope
     intermediate_size: int = 0
+    #: ratio-4 layers per indexer run (a serving option, not DSV4's: 1, the default, gives every
+    #: ratio-4 layer its own selection). With ``n > 1`` the first of every ``n`` consecutive ratio-4
+    #: layers runs its indexer and the next ``n - 1`` attend the blocks it selected, their own
+    #: indexers not run (weights and key caches kept, unused): the indexer's cost at long context
+    #: divided by ``n``, at the cost of selections another layer's indexer made
+    index_reuse: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        if type(self.index_reuse) is not int or self.index_reuse < 1:
+            raise ValueError(f"index_reuse must be an int >= 1 (ratio-4 layers per indexer run), got {self.index_reuse!r}")
         expect = {
             "head_dim": (self.head_dim, layout.HEAD_DIM),
             "qk_rope_head_dim": (self.qk_rope_head_dim, layout.ROPE_DIM),

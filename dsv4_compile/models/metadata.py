@@ -147,6 +147,9 @@ class StepMetadata:
     extra_widths: dict[int, int] | None = None
     #: decode scheduler metadata per layer kind, computed by the first layer of the kind
     schedulers: dict = field(default_factory=dict)
+    #: the step's latest ratio-4 selection ``[T, index_topk]``, for the layers that reuse it
+    #: (``DeepseekV4Config.index_reuse``)
+    selection: torch.Tensor | None = None
 
     def scheduler(self, kind: int, q, indices, lengths, extra_indices, extra_lengths):
         """``get_mla_metadata`` once per step and layer kind (0, 4, 128): the shapes and lengths of

@@ -48,11 +48,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config, compress_ratio, cache, *, device=None, dtype=torch.bfloat16, tp=SINGLE):
+    def __init__(self, config, compress_ratio, cache, *, device=None, dtype=torch.bfloat16, tp=SINGLE,
+                 reuse_selection=False):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.attn = DeepseekV4Attention(config, compress_ratio, cache, device=device, dtype=dtype, tp=tp)
+        self.attn = DeepseekV4Attention(config, compress_ratio, cache, device=device, dtype=dtype, tp=tp,
+                                        reuse_selection=reuse_selection)
         self.mlp = None
         if config.intermediate_size:
             self.post_attention_norm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
@@ -103,8 +105,12 @@ class DeepseekV4Model(nn.Module):
         ratios = config.compress_ratios[: config.num_hidden_layers]
         self.compressed_ratios = tuple(sorted({r for r in ratios if r}))
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        # index_reuse: the first of every index_reuse consecutive ratio-4 layers runs its indexer
+        c4_ordinal = [sum(1 for q in ratios[:i] if q == 4) for i in range(len(ratios))]
         self.layers = nn.ModuleList(
-            DecoderLayer(config, r, cache, device=device, dtype=dtype, tp=tp) for r in ratios
+            DecoderLayer(config, r, cache, device=device, dtype=dtype, tp=tp,
+                         reuse_selection=r == 4 and c4_ordinal[i] % config.index_reuse != 0)
+            for i, r in enumerate(ratios)
         )
         #: each layer kind's extra index width: the step's decode schedules, all in one call
         self.extra_widths = {layer.attn.compress_ratio: layer.attn.extra_width for layer in self.layers}
