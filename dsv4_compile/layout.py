@@ -212,21 +212,14 @@ def page_and_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
     return torch.div(slots, page_size, rounding_mode="floor"), torch.remainder(slots, page_size)
 
 
-def table_slots(block_table: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int64 slots of ``entries`` (token or block ids, any shape broadcasting with ``rows[..., None]``
-    or ``rows``) of the requests whose pages are ``block_table[rows]`` (``[R, P]`` page ids):
-    ``block_table[row, e // page_size] * page_size + e % page_size``; ``-1`` where ``entries < 0``."""
-    page, offset = page_and_offset(entries.clamp_min(0), page_size)
-    pages = block_table[rows, page].long()
-    return torch.where(entries >= 0, slot(pages, offset, page_size), -1)
-
-
 def visible_slots(block_table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, page_size: int,
                   width: int) -> torch.Tensor:
-    """``[n, width]`` int64: the slots of blocks ``0 .. lengths[i] - 1`` of request ``rows[i]``
-    (:func:`table_slots`), ``-1`` past them: the ``block_slots`` of ``dsv4::indexer_cache_logits``
-    (``width <= P * page_size``). Two passes over the ``[n, width]`` output (each page's slots as a
-    broadcast sum, then the mask), where :func:`table_slots` of every entry takes about ten."""
+    """``[n, width]`` int64: the slots of blocks ``0 .. lengths[i] - 1`` of the request whose pages
+    are ``block_table[rows[i]]`` (``[R, P]`` page ids; block ``j`` at ``block_table[row, j //
+    page_size] * page_size + j % page_size``), ``-1`` past them: the ``block_slots`` of
+    ``dsv4::indexer_cache_logits`` (``width <= P * page_size``). Two passes over the output (each
+    page's slots as one broadcast sum, then the mask), where splitting every entry into page and
+    offset takes about ten."""
     pages = block_table[rows].long() * page_size  # [n, P]
     slots = (pages[:, :, None] + torch.arange(page_size, device=rows.device)).flatten(1)[:, :width]
     k = torch.arange(width, device=rows.device)

@@ -214,14 +214,12 @@ def test_triton_reads_only_referenced_pages(name, device):
 
 def assert_edges(select, device) -> None:
     args = list(topk_case("fp8", device=device))
-    t = args[0].shape[0]
     for k in (0, args[3].shape[1] * args[6]):  # none, and the whole table (every visible block in order)
         got = select(*args[:7], k, *args[8:])
         order = torch.arange(k, device=device)
         assert torch.equal(got, torch.where(order < args[5][:, None], order, -1)), k
     empty = [a[:0] if i in (0, 1, 4, 5) else a for i, a in enumerate(args)]
     assert select(*empty).shape == (0, args[7])
-    assert t > 0
 
 
 @not_interpreted

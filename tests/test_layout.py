@@ -76,15 +76,12 @@ def test_dequant_workspace_zeroes_holes():
     assert torch.equal(ws[0, 0], d4.gather_dequant(cache, 4, torch.tensor(3)))
 
 
-def test_block_table_slots():
-    """``table_slots`` / ``visible_slots``: block ``j`` of a request at ``page * page_size + j %
-    page_size`` of its ``j // page_size``-th page; ``-1`` for negative ids and past a row's length
-    (unread table entries, ``-1`` here, are never used)."""
+def test_visible_slots():
+    """Block ``j`` of a request at ``page * page_size + j % page_size`` of its ``j // page_size``-th
+    page; ``-1`` past a row's length (unread table entries, ``-1`` here, are never used)."""
     table = torch.tensor([[7, 2, -1], [0, 5, 3]], dtype=torch.int32)
     rows, lengths = torch.tensor([1, 0, 1]), torch.tensor([10, 3, 0])
     want = [[(int(table[r, j // 4]) * 4 + j % 4) if j < n else -1 for j in range(12)]
             for r, n in zip(rows.tolist(), lengths.tolist())]
     assert layout.visible_slots(table, rows, lengths, 4, 12).tolist() == want
     assert layout.visible_slots(table, rows, lengths, 4, 7).tolist() == [w[:7] for w in want]
-    entries = torch.tensor([[9, -1, 0], [5, 2, -3]])
-    assert layout.table_slots(table, rows[:2, None], entries, 4).tolist() == [[3 * 4 + 1, -1, 0], [2 * 4 + 1, 7 * 4 + 2, -1]]

@@ -132,8 +132,7 @@ class Indexer(nn.Module):
             )
         # tensor parallel: each rank scores with its heads, the logits are summed over the ranks
         # before the selection (-inf, not visible, stays -inf), so every rank selects the same blocks
-        k = torch.arange(plan.max_blocks, device=q.device)
-        slots = plan.slots(torch.where(k < plan.lengths[:, None], k, -1))
+        slots = layout.visible_slots(plan.page_table, plan.rows, plan.lengths, plan.per_page, plan.max_blocks)
         logits = torch.ops.dsv4.indexer_cache_logits(
             q, weights, self.key_cache, slots, self.page_size, name, q_scales, invariant
         )

@@ -126,7 +126,8 @@ class CompressPlan:
         """``[T, n]`` int64 cache slots of each query's blocks ``blocks [T, n]`` (block ids of its
         request, ``-1``: none, kept ``-1``). Nothing of the width of the context is built unless
         ``blocks`` is that wide."""
-        return layout.table_slots(self.page_table, self.rows[:, None], blocks, self.per_page)
+        slots = slot_of(self.page_table, self.rows[:, None], blocks.clamp_min(0), self.per_page)
+        return torch.where(blocks >= 0, slots, -1)
 
 
 @dataclass

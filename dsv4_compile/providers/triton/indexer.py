@@ -299,11 +299,10 @@ def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths
 def cache_topk_rows(device: torch.device, width: int) -> int:
     """Rows a group of :func:`indexer_cache_topk` (rows of ``width`` columns): as many whole waves
     of the logits kernel's programs (:data:`PROGRAMS_PER_UNIT` per SM / Xe-core, a program per row
-    when rows fill the device) as fit in :data:`CACHE_TOPK_GROUP_BYTES`, one wave at least. A
-    group of 341 rows, the budget's at a 512K-token cache, ran its logits in two waves on an H100's
-    264 program slots, the second 29% full: the prefill took 1.5x the time of whole-chunk groups
-    (benchmarks/RESULTS.md, "Long context"). One wave at a 1M-token cache on an H100: 264 rows,
-    792 MiB."""
+    when rows fill the device) as fit in :data:`CACHE_TOPK_GROUP_BYTES`, one wave at least (a
+    partial wave leaves units idle; at a 1M-token cache on an H100: 264 rows, 792 MiB). Against
+    groups of the budget alone (341 rows at a 512K-token cache) it made no measurable difference
+    to the prefill on an H100 (21.9 s against 20.6 s; benchmarks/RESULTS.md, "Long context")."""
     wave = PROGRAMS_PER_UNIT * triton_common.compute_units(device)
     fit = CACHE_TOPK_GROUP_BYTES // (reference.CACHE_TOPK_ENTRY_BYTES * width)
     return max(wave, fit // wave * wave)
