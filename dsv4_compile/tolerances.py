@@ -65,6 +65,14 @@ STORE_FP8_STEP = 2**-3
 #: worst: 0.03 of it, benchmarks/RESULTS.md, "Indexer logits").
 INDEXER_ULPS_PER_TERM = 1.0
 
+#: The indexer's logits where fp8 keys and queries are multiplied on the tensor cores as e4m3
+#: (``dsv4::indexer_cache_topk``'s tile kernel on NVIDIA GPUs of compute capability 8.9 or later):
+#: the products are exact, but the MMA adds them with a narrower accumulator than float32 (Hopper's
+#: keeps ~13 significand bits: each of its 4 steps of 32 products truncates up to 33 addends below
+#: ``2^-13`` of the largest addend, which is at most the sum of the magnitudes so far). The bound is
+#: ``INDEXER_FP8_MMA * sum_h |w_h| sum_d |q_hd k_d|`` (the float32 head sum's error is far inside).
+INDEXER_FP8_MMA = 4 * 33 * 2**-13
+
 #: Logits or layer outputs of one eager bf16 computation with its sums in another order: the same
 #: rows in the same steps, compiled with eager's roundings (Inductor's ``emulate_precision_casts``)
 #: or on another CPU or thread count (other vector widths and thread splits). A differing order

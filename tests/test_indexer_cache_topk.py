@@ -23,19 +23,21 @@ if INTERPRETED:
     patch_triton_interpreter()
 
 import dsv4_compile as d4  # noqa: E402
-from dsv4_compile import layout  # noqa: E402
+from dsv4_compile import layout, tolerances  # noqa: E402
 from dsv4_compile.providers import reference  # noqa: E402
-from test_indexer_cache import FORMATS, float64_logits, poisoned_cache, reference_store  # noqa: E402
+from dsv4_compile.providers.triton import indexer as triton_indexer  # noqa: E402
+from test_indexer_cache import EPS, FORMATS, float64_logits, poisoned_cache, reference_store  # noqa: E402
 
 TRITON_DEVICES = ["cpu"] if INTERPRETED else [pytest.param("cuda", marks=pytest.mark.cuda)]
 not_interpreted = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process")
 DIM = layout.INDEX_HEAD_DIM
 
 
-def topk_case(name: str, tokens=9, heads=6, pages=5, page_size=8, requests=3, k=10, device="cpu"):
+def topk_case(name: str, tokens=9, heads=6, pages=5, page_size=8, requests=3, k=10, device="cpu", grouped=False):
     """A cache whose every slot holds a finite key (random bytes in the page padding), a shuffled
     block table of ``requests`` rows, queries on random rows seeing random lengths (the whole table,
-    exactly ``k``, ``k + 1`` and none among them); ``-1`` in the table past the pages any query reads."""
+    exactly ``k``, ``k + 1`` and none among them); ``-1`` in the table past the pages any query reads.
+    ``grouped``: each request's queries consecutive, as a prefill chunk's (the tile kernel's case)."""
     gen = torch.Generator().manual_seed(11)
     num_pages = requests * pages + 3
     capacity = num_pages * page_size
@@ -44,6 +46,8 @@ def topk_case(name: str, tokens=9, heads=6, pages=5, page_size=8, requests=3, k=
     reference_store(layout.hadamard(keys) if name != "fp32" else keys, cache, torch.arange(capacity), page_size, name)
     block_table = torch.randperm(num_pages, generator=gen)[: requests * pages].view(requests, pages).int()
     table_rows = torch.randint(0, requests, (tokens,), generator=gen)
+    if grouped:
+        table_rows = table_rows.sort().values
     lengths = torch.randint(0, pages * page_size + 1, (tokens,), generator=gen)
     lengths[:4] = torch.tensor([pages * page_size, k, k + 1, 0])
     for r in range(requests):  # pages no query of the request reads
@@ -69,11 +73,22 @@ def visible_slots(block_table, table_rows, lengths, page_size) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long).view(-1, width)
 
 
+def float64_table_logits(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, bound)`` of the case's visible blocks: the float64 model's, with the bound of
+    e4m3 tensor-core products (``tolerances.INDEXER_FP8_MMA``) where the Triton provider's tile
+    kernel multiplies fp8 so (CUDA, compute capability 8.9 or later), else the float32 one."""
+    codes, weights, cache, block_table, table_rows, lengths, page_size, k, name, q_scales = args
+    slots = visible_slots(block_table.cpu(), table_rows.cpu(), lengths.cpu(), page_size)
+    logits, bound = float64_logits(codes, weights, cache, slots, page_size, name, q_scales)
+    if name == "fp8" and codes.device.type == "cuda" and triton_indexer.fp8_mma(codes.device):
+        bound = bound / ((DIM + codes.shape[1]) * EPS) * tolerances.INDEXER_FP8_MMA  # the magnitudes' multiple
+    return logits, bound
+
+
 def assert_selects_the_largest_but_at_near_ties(got, args) -> None:
     codes, weights, cache, block_table, table_rows, lengths, page_size, k, name, q_scales = args
     got = got.cpu()
-    slots = visible_slots(block_table.cpu(), table_rows.cpu(), lengths.cpu(), page_size)
-    logits, bound = float64_logits(codes, weights, cache, slots, page_size, name, q_scales)
+    logits, bound = float64_table_logits(args)
     assert got.shape == (codes.shape[0], k) and got.dtype == torch.int64
     for t, n in enumerate(lengths.tolist()):
         row = got[t].tolist()
@@ -110,8 +125,6 @@ def triton_topk(*args):
     if args[0].device.type == "cuda":
         assert d4.providers("cuda")["indexer_cache_topk"] == "triton"
         return d4.indexer_cache_topk(*args)
-    from dsv4_compile.providers.triton import indexer as triton_indexer
-
     args = list(args)
     args[8] = layout.INDEX_FORMATS[args[8]]
     d4.ops.indexer.check_indexer_cache_topk(*args)
@@ -122,12 +135,19 @@ def triton_parts(device):
     """The Triton provider's logits and top-k, as :func:`triton_topk` reaches them."""
     if device == "cuda":
         return d4.indexer_cache_logits, d4.indexer_topk
-    from dsv4_compile.providers.triton import indexer as triton_indexer
 
     def logits(*args):
         return triton_indexer.indexer_cache_logits(*args[:5], layout.INDEX_FORMATS[args[5]], *args[6:])
 
     return logits, triton_indexer.indexer_topk
+
+
+def table_logits(args, batch_invariant=False) -> torch.Tensor:
+    """The Triton provider's logits its selection reads (``table_logits``), of every row at once."""
+    codes, weights, cache, block_table, table_rows, lengths, page_size, k, name, q_scales = args
+    return triton_indexer.table_logits(codes, weights, cache, block_table, table_rows, lengths.long(), page_size,
+                                       block_table.shape[1] * page_size, layout.INDEX_FORMATS[name], q_scales,
+                                       batch_invariant)
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,9 +164,10 @@ def test_reference_selects_the_float64_top_k(name):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("grouped", [False, True], ids=["interleaved", "grouped"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_triton_selects_the_float64_top_k(name, device):
-    args = topk_case(name, heads=40, device=device)  # 40 heads: two head tiles
+def test_triton_selects_the_float64_top_k(name, grouped, device):
+    args = topk_case(name, heads=40, device=device, grouped=grouped)  # 40 heads: two head tiles
     assert_selects_the_largest_but_at_near_ties(triton_topk(*args), args)
 
 
@@ -161,21 +182,60 @@ def test_reference_is_the_top_k_of_its_cache_logits(name):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("name", FORMATS)
-def test_triton_is_the_top_k_of_its_cache_logits(name, device):
-    args = topk_case(name, device=device)
-    assert torch.equal(triton_topk(*args), composed(*triton_parts(device), args))
+@pytest.mark.parametrize("tiles", ["single", "wide"])
+def test_triton_is_the_top_k_of_its_table_logits(name, tiles, device, monkeypatch):
+    """Default mode: the exact top-k of the logits of ``table_logits`` (tile kernel and per-row
+    kernel); batch-invariant: of ``dsv4::indexer_cache_logits`` over the visible slots (the per-row
+    kernel alone, bit for bit)."""
+    if tiles == "wide":
+        monkeypatch.setattr(triton_indexer, "TILE_SINGLE_ROWS", 0)
+    args = topk_case(name, tokens=23, heads=40, device=device, grouped=True)
+    order = torch.arange(args[7], device=device)
+    lengths = args[5][:, None]
+    every = torch.where(order < lengths, order, -1)
+    want = torch.where(lengths <= args[7], every, triton_indexer.indexer_topk(table_logits(args), args[7]))
+    assert torch.equal(triton_topk(*args), want)
+    with d4.batch_invariant():
+        invariant = d4.indexer_cache_topk(*args) if device == "cuda" else triton_topk(*args[:10], True)
+    assert torch.equal(invariant, composed(*triton_parts(device), args))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("tiles", ["single", "wide"])
+@pytest.mark.parametrize("heads", [6, 40, 64])
+@pytest.mark.parametrize("grouped", [False, True], ids=["interleaved", "grouped"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_table_logits_within_the_bound(name, grouped, heads, tiles, device, monkeypatch):
+    """``table_logits`` in tiles of one query, and (``wide``: as calls of more than
+    ``TILE_SINGLE_ROWS`` rows) in wide tiles of one request then single-query tiles for the rest, a
+    row count no tile size divides: ``-inf`` exactly past each row's length, the rest within the
+    float64 model's bound (:func:`float64_table_logits`). The per-row kernel through the table
+    (``fp32``, ``batch_invariant``) is ``indexer_cache_logits`` through the slots, bit for bit."""
+    if tiles == "wide":
+        monkeypatch.setattr(triton_indexer, "TILE_SINGLE_ROWS", 0)
+    args = topk_case(name, tokens=23, heads=heads, device=device, grouped=grouped)
+    got = table_logits(args).double().cpu()
+    want, bound = float64_table_logits(args)
+    seen = want > float("-inf")
+    assert torch.equal(got == float("-inf"), ~seen)
+    err = (got - want)[seen].abs()
+    assert bool((err <= bound[seen]).all()), f"max error {(err / bound[seen]).max().item():.3g} of the bound"
+    codes, weights, cache, block_table, table_rows, lengths, page_size, k, _, q_scales = args
+    slots = visible_slots(block_table.cpu(), table_rows.cpu(), lengths.cpu(), page_size).to(device)
+    per_row = triton_parts(device)[0](codes, weights, cache, slots, page_size, name, q_scales)
+    assert torch.equal(table_logits(args, batch_invariant=True), per_row)
 
 
 @not_interpreted
-def test_rows_in_small_groups_select_the_same_blocks():
+def test_rows_in_small_groups_select_the_same_blocks(monkeypatch):
     """The groups bound the memory, not the result: groups of one row and of three give the op's
     indices bit for bit."""
     args = topk_case("fp8")
     want = reference_topk(*args)
+    width = args[3].shape[1] * args[6]
     for rows in (1, 3):
-        got = reference.cache_topk_in_groups(reference.indexer_cache_logits, reference.indexer_topk, rows,
-                                             *args[:8], layout.INDEX_FP8, args[9], False)
-        assert torch.equal(got, want), rows
+        monkeypatch.setattr(reference, "CACHE_TOPK_GROUP_BYTES", rows * reference.CACHE_TOPK_ENTRY_BYTES * width)
+        assert torch.equal(reference_topk(*args), want), rows
 
 
 # --------------------------------------------------------------------------------------------

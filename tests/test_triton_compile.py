@@ -106,6 +106,12 @@ def calls():
         block_slots = torch.randint(-1, 24, (3, 70), generator=g)
         yield triton_indexer.indexer_cache_logits, (codes, torch.randn(3, 64), cache, block_slots, 8, fmt,
                                                     scales if name == "fp4" else None)
+        # through a block table: the tile kernel (fp8: e4m3 products from SM89) and the per-row
+        # kernel beside it (every row for fp32), and the per-row kernel alone (batch-invariant)
+        table, rows, lengths = torch.tensor([[2, 0, 1]]), torch.zeros(3, dtype=torch.int32), torch.tensor([3, 9, 20])
+        for invariant in (False, True):
+            yield triton_indexer.table_logits, (codes, torch.randn(3, 64), cache, table, rows, lengths, 8, 24, fmt,
+                                                scales if name == "fp4" else None, invariant)
     # 4 and 8 warps in registers; by pieces (one step from the logits, then one from keys to
     # keys, then the last); a k past a quarter of a piece: the widest rows in registers, then the
     # looped program
@@ -149,7 +155,7 @@ def test_every_kernel_compiles(capability, request):
         compiled[kernel.fn.__name__] = compiled.get(kernel.fn.__name__, 0) + 1
     expected = {"store_kernel", "store_v41_kernel", "decode_kernel", "combine_kernel", "prefill_kernel",
                 "schedule_kernel", "logits_kernel", "topk_kernel", "topk_looped_kernel", "rope_kernel",
-                "index_store_kernel", "cache_logits_kernel"}
+                "index_store_kernel", "cache_logits_kernel", "tile_logits_kernel"}
     assert set(compiled) == expected, compiled
     # the figure prefill_config's rule reads (the launches above: 64 heads, 512- and 576-dim queries)
     assert prefill_shared == prefill.shared_bytes, (prefill, prefill_shared)

@@ -470,14 +470,12 @@ def indexer_topk(logits, k):
 CACHE_TOPK_ENTRY_BYTES = 12
 
 
-def cache_topk_in_groups(cache_logits, topk, rows: int, q, weights, index_cache, block_table, table_rows,
-                         lengths, page_size, k, index_format, q_scales, batch_invariant):
-    """``dsv4::indexer_cache_topk`` as ``topk(cache_logits(...))`` of groups of ``rows`` rows (their
-    visible slots and logits: ``[rows, P * page_size]``, :data:`CACHE_TOPK_ENTRY_BYTES` an entry);
-    a row with at most ``k`` visible blocks takes them all, in order. A row's result depends on its
-    group only through ``cache_logits`` (batch-invariant where that is): the selection is exact."""
+def cache_topk_in_groups(group_logits, topk, rows: int, q, lengths, k, width):
+    """``dsv4::indexer_cache_topk`` in groups of ``rows`` rows: ``topk(group_logits(sl, visible), k)``
+    of each group's slice ``sl`` of the queries (``visible``: their lengths, int64; the logits
+    ``[rows, width]``); a row with at most ``k`` visible blocks takes them all, in order. A row's
+    result depends on its group only through ``group_logits``: the selection is exact."""
     tokens = q.shape[0]
-    width = block_table.shape[1] * page_size
     out = indexer_cache_topk_output(q, k)
     if tokens == 0 or k == 0:
         return out
@@ -487,10 +485,7 @@ def cache_topk_in_groups(cache_logits, topk, rows: int, q, weights, index_cache,
         visible = lengths[sl].long()
         chosen = torch.where(order < visible[:, None], order, -1)  # every visible block
         if k < width:
-            slots = layout.visible_slots(block_table, table_rows[sl].long(), visible, page_size, width)
-            logits = cache_logits(q[sl], weights[sl], index_cache, slots, page_size, index_format,
-                                  None if q_scales is None else q_scales[sl], batch_invariant)
-            chosen = torch.where(visible[:, None] <= k, chosen, topk(logits, k))
+            chosen = torch.where(visible[:, None] <= k, chosen, topk(group_logits(sl, visible), k))
         out[sl] = chosen
     return out
 
@@ -502,12 +497,18 @@ CACHE_TOPK_GROUP_BYTES = CHUNK_BYTES // 4
 
 def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths, page_size, k,
                        index_format=layout.INDEX_FP8, q_scales=None, batch_invariant=False):
-    """:func:`indexer_topk` of :func:`indexer_cache_logits` over each row's visible blocks, in
-    groups of rows within :data:`CACHE_TOPK_GROUP_BYTES` (:func:`cache_topk_in_groups`)."""
-    rows = max(1, CACHE_TOPK_GROUP_BYTES // (CACHE_TOPK_ENTRY_BYTES * block_table.shape[1] * page_size))
-    return cache_topk_in_groups(indexer_cache_logits, indexer_topk, rows, q, weights, index_cache,
-                                block_table, table_rows, lengths, page_size, k, index_format, q_scales,
-                                batch_invariant)
+    """:func:`indexer_topk` of :func:`indexer_cache_logits` over each row's visible blocks
+    (:func:`layout.visible_slots`), in groups of rows within :data:`CACHE_TOPK_GROUP_BYTES`
+    (:func:`cache_topk_in_groups`)."""
+    width = block_table.shape[1] * page_size
+
+    def group_logits(sl, visible):
+        slots = layout.visible_slots(block_table, table_rows[sl].long(), visible, page_size, width)
+        return indexer_cache_logits(q[sl], weights[sl], index_cache, slots, page_size, index_format,
+                                    None if q_scales is None else q_scales[sl], batch_invariant)
+
+    rows = max(1, CACHE_TOPK_GROUP_BYTES // (CACHE_TOPK_ENTRY_BYTES * width))
+    return cache_topk_in_groups(group_logits, indexer_topk, rows, q, lengths, k, width)
 
 
 # --------------------------------------------------------------------------------------------

@@ -261,50 +261,133 @@ def indexer_cache_logits(q, weights, index_cache, block_slots, page_size, index_
     """``dsv4::indexer_cache_logits`` (eager) on validated arguments: one launch, no host sync;
     batch-invariant in either mode, as :func:`indexer_logits`."""
     logits = indexer_logits_output(q, block_slots)
+    if q.shape[0] and block_slots.shape[1]:
+        _launch_rows(q, weights, index_cache, page_size, index_format, q_scales, logits, slots=block_slots)
+    return logits
+
+
+def _launch_rows(q, weights, index_cache, page_size, fmt, q_scales, logits, slots=None, table=None):
+    """``cache_logits_kernel``: a row's logits by its programs alone, each ``BLOCK_N`` keys gathered
+    by ``slots`` (``[T, width]``) or through ``table`` (``(block_table, table_rows, lengths)``)."""
     tokens, heads = q.shape[:2]
-    width = block_slots.shape[1]
-    if tokens == 0 or width == 0:
-        return logits
+    width = logits.shape[1]
     kernel = _kernels().cache_logits_kernel
     block_n, block_h, _ = geometry(layout.INDEX_HEAD_DIM, heads)  # the float32 kernel's, at 128 dims
     programs = programs_per_row(q.device, tokens, -(-width // block_n))
     codes = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
     scales = codes if q_scales is None else q_scales  # not read without fp4
-    qs, ss, ws, bs = codes.stride(), scales.stride(), weights.stride(), block_slots.stride()
+    block_table, table_rows, lengths = table if table is not None else (slots, slots, slots)  # unread without TABLE
+    slots = block_table if slots is None else slots
+    qs, ss, ws, bs, ts = codes.stride(), scales.stride(), weights.stride(), slots.stride(), block_table.stride()
     with triton_common.device_guard(q.device):
         triton_common.eager(kernel)[(tokens, programs)](
-            codes, scales, weights, index_cache, block_slots, logits,
-            heads, width, page_size, index_cache.stride(0),
-            qs[0], qs[1], ss[0], ss[1], ws[0], ws[1], bs[0], bs[1], logits.stride()[0],
-            FORMAT=FORMAT_IDS[index_format.values], BLOCK_N=block_n, BLOCK_H=block_h,
+            codes, scales, weights, index_cache, slots, block_table, table_rows, lengths, logits,
+            tokens, heads, width, page_size, index_cache.stride(0),
+            qs[0], qs[1], ss[0], ss[1], ws[0], ws[1], bs[0], bs[1], ts[0], ts[1], logits.stride()[0],
+            FORMAT=FORMAT_IDS[fmt.values], BLOCK_N=block_n, BLOCK_H=block_h,
             PRECISION=precision(q.device), HW=triton_common.hardware_conversions(q.device, kernel),
-            num_warps=NUM_WARPS,
+            TABLE=table is not None, num_warps=NUM_WARPS,
         )
+
+
+#: The tile kernel's geometry (``tile_logits_kernel``): queries of one request per program whose
+#: heads fill :data:`TILE_COLUMNS` columns of its product (4 queries of DSV4's 64 heads), keys
+#: :data:`TILE_BLOCK_N` at a time; warps and pipeline stages (the fastest of a sweep on an H100 at
+#: 8192 rows of a 128K-token context: benchmarks/RESULTS.md, "Long context"). Calls of at most
+#: :data:`TILE_SINGLE_ROWS` rows (decode) take one query a tile: their rows are mostly of several
+#: requests, and a query's keys are read by it alone anyway.
+TILE_COLUMNS, TILE_BLOCK_N, TILE_WARPS, TILE_STAGES, TILE_SINGLE_ROWS = 256, 128, 4, 3, 64
+
+
+def tile_geometry(heads: int, tokens: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_N, BLOCK_H)`` of ``tile_logits_kernel`` for ``tokens`` queries of ``heads``
+    heads: the heads padded to a power of two (>= 16), as many queries as fill :data:`TILE_COLUMNS`
+    (one up to :data:`TILE_SINGLE_ROWS` queries)."""
+    block_h = max(16, triton_common.next_power_of_2(heads))
+    block_t = 1 if tokens <= TILE_SINGLE_ROWS else max(1, TILE_COLUMNS // block_h)
+    return block_t, TILE_BLOCK_N, block_h
+
+
+def fp8_mma(device: torch.device) -> bool:
+    """Whether ``tile_logits_kernel`` multiplies fp8 keys and queries as e4m3 on the tensor cores
+    (NVIDIA GPUs of compute capability 8.9 or later, compiled): the products are exact, their sums
+    keep fewer bits than float32 (docs/design.md §2.12). Elsewhere as exact bf16 values."""
+    return triton_common.nvidia_compiled(device, _kernels().tile_logits_kernel, (8, 9))
+
+
+def _launch_tiles(q, weights, index_cache, block_table, table_rows, lengths, page_size, fmt, q_scales, logits,
+                  geometry, skip_t=0) -> None:
+    """``tile_logits_kernel`` over the rows of ``logits`` in tiles of ``geometry = (BLOCK_T,
+    BLOCK_N, warps, stages)``, each tile's columns shared among programs as in
+    :func:`programs_per_row` (tiles of several requests, and with ``skip_t`` those inside a
+    ``skip_t``-row tile of one request, left to other launches)."""
+    tokens, heads = q.shape[:2]
+    block_t, block_n, warps, stages = geometry
+    block_h = tile_geometry(heads, tokens)[2]
+    tiles = -(-tokens // block_t)
+    programs = programs_per_row(q.device, tiles, -(-logits.shape[1] // block_n))
+    kernel = _kernels().tile_logits_kernel
+    codes = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+    scales = codes if q_scales is None else q_scales  # not read without fp4
+    qs, ss, ws, ts = codes.stride(), scales.stride(), weights.stride(), block_table.stride()
+    with triton_common.device_guard(q.device):
+        triton_common.eager(kernel)[(tiles, programs)](
+            codes, scales, weights, index_cache, block_table, table_rows, lengths, logits,
+            tokens, heads, logits.shape[1], page_size, index_cache.stride(0),
+            qs[0], qs[1], ss[0], ss[1], ws[0], ws[1], ts[0], ts[1], logits.stride()[0],
+            FORMAT=FORMAT_IDS[fmt.values], BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_H=block_h,
+            HW=triton_common.hardware_conversions(q.device, kernel), FP8_MMA=fp8_mma(q.device), SKIP_T=skip_t,
+            num_warps=warps, num_stages=stages,
+        )
+
+
+def table_logits(q, weights, index_cache, block_table, table_rows, lengths, page_size, width, fmt,
+                 q_scales=None, batch_invariant=False, config=None):
+    """``[T, width]`` float32: the block logits of each query's visible blocks through the block
+    table (``-inf`` past its length), what :func:`indexer_cache_topk` selects from. ``"fp8"`` /
+    ``"fp4"``: ``tile_logits_kernel`` in :func:`tile_geometry`'s tiles of one request, then in
+    tiles of one query the rows of the other tiles (two launches; one where the tiles are of one
+    query). ``"fp32"``, and every row when ``batch_invariant`` (a row's logits then its programs'
+    alone): ``cache_logits_kernel`` through the table. ``config``: ``(BLOCK_T, BLOCK_N, warps,
+    stages)`` of the first launch instead of the rule's (sweeps). No host sync."""
+    logits = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0 or width == 0:
+        return logits
+    args = (q, weights, index_cache, block_table, table_rows, lengths, page_size, fmt, q_scales, logits)
+    if fmt.values == "fp32" or batch_invariant:
+        _launch_rows(q, weights, index_cache, page_size, fmt, q_scales, logits, table=args[3:6])
+        return logits
+    block_t, block_n, _ = tile_geometry(q.shape[1], q.shape[0])
+    config = config or (block_t, block_n, TILE_WARPS, TILE_STAGES)
+    _launch_tiles(*args, config)
+    if config[0] > 1:
+        _launch_tiles(*args, (1, TILE_BLOCK_N, TILE_WARPS, TILE_STAGES), skip_t=config[0])
     return logits
 
 
 def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths, page_size, k,
                        index_format=layout.INDEX_FP8, q_scales=None, batch_invariant=False):
-    """``dsv4::indexer_cache_topk`` (eager) on validated arguments: :func:`indexer_cache_logits`
-    and :func:`indexer_topk` of groups of rows within :data:`CACHE_TOPK_GROUP_BYTES`
-    (:func:`~dsv4_compile.providers.reference.cache_topk_in_groups`); no host sync. As exact as
-    those two: the logits kernel's per-row computation and the exact top-k."""
-    rows = cache_topk_rows(q.device, block_table.shape[1] * page_size)
-    return reference.cache_topk_in_groups(
-        indexer_cache_logits, indexer_topk, rows, q, weights, index_cache, block_table, table_rows,
-        lengths, page_size, k, index_format, q_scales, batch_invariant,
-    )
+    """``dsv4::indexer_cache_topk`` (eager) on validated arguments: :func:`indexer_topk` of
+    :func:`table_logits` of groups of rows within :data:`CACHE_TOPK_GROUP_BYTES`
+    (:func:`~dsv4_compile.providers.reference.cache_topk_in_groups`); no host sync. The selection
+    is exact; in ``batch_invariant`` mode a row's logits are computed by its programs alone."""
+    width = block_table.shape[1] * page_size
+
+    def group_logits(sl, visible):
+        return table_logits(q[sl], weights[sl], index_cache, block_table, table_rows[sl], visible, page_size,
+                            width, index_format, None if q_scales is None else q_scales[sl], batch_invariant)
+
+    rows = cache_topk_rows(q.device, width, tile_geometry(q.shape[1], q.shape[0])[0])
+    return reference.cache_topk_in_groups(group_logits, indexer_topk, rows, q, lengths, k, width)
 
 
-def cache_topk_rows(device: torch.device, width: int) -> int:
-    """Rows a group of :func:`indexer_cache_topk` (rows of ``width`` columns): as many whole waves
-    of the logits kernel's programs (:data:`PROGRAMS_PER_UNIT` per SM / Xe-core, a program per row
-    when rows fill the device) as fit in :data:`CACHE_TOPK_GROUP_BYTES`, one wave at least (a
-    partial wave leaves units idle; at a 1M-token cache on an H100: 264 rows, 792 MiB). Against
-    groups of the budget alone (341 rows at a 512K-token cache) it made no measurable difference
-    to the prefill on an H100 (21.9 s against 20.6 s; benchmarks/RESULTS.md, "Long context")."""
-    wave = PROGRAMS_PER_UNIT * triton_common.compute_units(device)
-    fit = CACHE_TOPK_GROUP_BYTES // (reference.CACHE_TOPK_ENTRY_BYTES * width)
+def cache_topk_rows(device: torch.device, width: int, block_t: int = 1) -> int:
+    """Rows a group of :func:`indexer_cache_topk` (rows of ``width`` float32 logits): as many whole
+    waves of the tile kernel's programs (:data:`PROGRAMS_PER_UNIT` per SM / Xe-core, ``block_t``
+    rows each) as fit in :data:`CACHE_TOPK_GROUP_BYTES`, one wave at least (a partial wave leaves
+    units idle)."""
+    wave = PROGRAMS_PER_UNIT * triton_common.compute_units(device) * block_t
+    fit = CACHE_TOPK_GROUP_BYTES // (4 * width)
     return max(wave, fit // wave * wave)
 
 

@@ -274,49 +274,89 @@ def _cache_queries(q_ptr, qs_ptr, t, h, in_heads, q_h, qs_h, FORMAT: tl.constexp
 
 
 @triton.jit
+def _cache_keys(base, offset, live, page_size, FORMAT: tl.constexpr, HW: tl.constexpr, FP8_MMA: tl.constexpr):
+    """The ``[BLOCK_N, 128]`` keys at ``offset`` of the pages at ``base`` (``live`` rows; zeros
+    elsewhere) and, for ``"fp8"``, their scales: float32 (``"fp32"``), e4m3 codes (``FP8_MMA``),
+    else bf16 values (exact; times :func:`_cache_queries`' factors)."""
+    d = tl.arange(0, _DIM)
+    key_scale = tl.zeros(live.shape, tl.float32)  # fp8 only
+    if FORMAT == FP32:
+        data = (base + offset * (4 * _DIM)).to(tl.pointer_type(tl.float32))
+        key = tl.load(data[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    elif FORMAT == FP8:
+        code = tl.load(base[:, None] + offset[:, None] * _DIM + d[None, :], mask=live[:, None], other=0)
+        if FP8_MMA:
+            key = code.to(tl.float8e4nv, bitcast=True)
+        else:
+            key = _e4m3_values(code, HW).to(tl.bfloat16)
+        scales = (base + page_size * _DIM + offset * 4).to(tl.pointer_type(tl.float32))
+        key_scale = tl.load(scales, mask=live, other=0.0)
+    else:
+        j = tl.arange(0, _DIM // 2)
+        g = tl.arange(0, 4)
+        byte = tl.load(base[:, None] + offset[:, None] * (_DIM // 2) + j[None, :], mask=live[:, None], other=0)
+        e = tl.load(base[:, None] + page_size * (_DIM // 2) + offset[:, None] * 4 + g[None, :],
+                    mask=live[:, None], other=0)
+        key = _fp4_values(byte, e).to(tl.bfloat16)
+    return key, key_scale
+
+
+@triton.jit
+def _unscale(FORMAT: tl.constexpr, HW: tl.constexpr, FP8_MMA: tl.constexpr):
+    """What the factors of :func:`_cache_queries` / :func:`_cache_keys`' values leave on a product."""
+    if FORMAT == FP4:
+        return 268435456.0  # 2^28
+    elif FORMAT == FP8 and not HW and not FP8_MMA:
+        return 65536.0  # 2^16
+    else:
+        return 1.0
+
+
+@triton.jit
+def _tile_request(rows_ptr, t0, tokens, BLOCK_T: tl.constexpr):
+    """``(uniform, row)``: whether the queries ``t0 .. t0 + BLOCK_T - 1`` (those below ``tokens``)
+    are all of one request (one row of the block table), and the first one's row."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    first = tl.load(rows_ptr + t0)
+    rows = tl.load(rows_ptr + t, mask=t < tokens, other=first)
+    return tl.min(rows, axis=0) == tl.max(rows, axis=0), first.to(tl.int64)
+
+
+@triton.jit
 def cache_logits_kernel(
-    q_ptr, qs_ptr, w_ptr, cache_ptr, slots_ptr, out_ptr,
-    heads, width, page_size, page_stride,
-    q_t, q_h, qs_t, qs_h, w_t, w_h, s_t, s_k, out_t,
+    q_ptr, qs_ptr, w_ptr, cache_ptr, slots_ptr, table_ptr, rows_ptr, len_ptr, out_ptr,
+    tokens, heads, width, page_size, page_stride,
+    q_t, q_h, qs_t, qs_h, w_t, w_h, s_t, s_k, tab_r, tab_p, out_t,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-    HW: tl.constexpr,
+    HW: tl.constexpr, TABLE: tl.constexpr,
 ):
     """``logits_kernel`` over a paged indexer key cache: keys dequantized in registers as they are
     gathered, one ``tl.dot`` per ``BLOCK_H`` heads (float32 operands for ``"fp32"``, exact bf16 ones
-    otherwise), an fp8 key's scale applied to its column's sum."""
+    otherwise), an fp8 key's scale applied to its column's sum. The row's slots: ``block_slots``,
+    or with ``TABLE`` its request's pages (``table_ptr`` row ``rows_ptr[t]``) and its length."""
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, _DIM)
-    # what the bf16 values' factors (see _cache_queries) leave on a product
-    if FORMAT == FP4:
-        unscale = 268435456.0  # 2^28
-    elif FORMAT == FP8 and not HW:
-        unscale = 65536.0  # 2^16
-    else:
-        unscale = 1.0
-    for block in range(tl.program_id(1), tl.cdiv(width, BLOCK_N), tl.num_programs(1)):
+    blocks = tl.cdiv(width, BLOCK_N)
+    row = t  # the query's block-table row (TABLE)
+    length = width
+    if TABLE:
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        length = tl.load(len_ptr + t)
+    unscale = _unscale(FORMAT, HW, False)
+    for block in range(tl.program_id(1), blocks, tl.num_programs(1)):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         in_row = cols < width
-        slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
-        live = slots >= 0
-        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
-        page = slots // page_size
-        offset = slots - page * page_size
-        base = cache_ptr + page * page_stride
-        if FORMAT == FP32:
-            data = (base + offset * (4 * _DIM)).to(tl.pointer_type(tl.float32))
-            key = tl.load(data[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        elif FORMAT == FP8:
-            code = tl.load(base[:, None] + offset[:, None] * _DIM + d[None, :], mask=live[:, None], other=0)
-            key = _e4m3_values(code, HW).to(tl.bfloat16)
-            scales = (base + page_size * _DIM + offset * 4).to(tl.pointer_type(tl.float32))
-            key_scale = tl.load(scales, mask=live, other=0.0)
+        if TABLE:
+            live = cols < length
+            entry = cols // page_size
+            page = tl.load(table_ptr + row * tab_r + entry * tab_p, mask=live, other=0).to(tl.int64)
+            offset = cols - entry * page_size
         else:
-            j = tl.arange(0, _DIM // 2)
-            g = tl.arange(0, 4)
-            byte = tl.load(base[:, None] + offset[:, None] * (_DIM // 2) + j[None, :], mask=live[:, None], other=0)
-            e = tl.load(base[:, None] + page_size * (_DIM // 2) + offset[:, None] * 4 + g[None, :],
-                        mask=live[:, None], other=0)
-            key = _fp4_values(byte, e).to(tl.bfloat16)
+            slots = tl.load(slots_ptr + t * s_t + cols * s_k, mask=in_row, other=-1).to(tl.int64)
+            live = slots >= 0
+            page = slots // page_size
+            offset = slots - page * page_size
+        scored_heads = heads * tl.max(live.to(tl.int32), axis=0)
+        key, key_scale = _cache_keys(cache_ptr + page * page_stride, offset, live, page_size, FORMAT, HW, False)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for h0 in range(0, scored_heads, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
@@ -334,3 +374,68 @@ def cache_logits_kernel(
             acc = acc * key_scale
         logits = tl.where(live, acc, float("-inf"))
         tl.store(out_ptr + t * out_t + cols, logits, mask=in_row)
+
+
+@triton.jit
+def tile_logits_kernel(
+    q_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, rows_ptr, len_ptr, out_ptr,
+    tokens, heads, width, page_size, page_stride,
+    q_t, q_h, qs_t, qs_h, w_t, w_h, tab_r, tab_p, out_t,
+    FORMAT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HW: tl.constexpr, FP8_MMA: tl.constexpr, SKIP_T: tl.constexpr,
+):
+    """The block logits of ``BLOCK_T`` queries of one request (a tile; a tile of several requests
+    is left to another launch; with ``SKIP_T`` > 0, tiles inside a ``SKIP_T``-row tile of one
+    request are left to the launch of that geometry) over the paged cache, ``"fp8"`` or ``"fp4"``: each
+    ``BLOCK_N`` keys of the request are gathered once and scored against every head of every query
+    of the tile by one ``tl.dot`` (``[BLOCK_N, 128] x [128, BLOCK_T * BLOCK_H]``: e4m3 codes with
+    ``FP8_MMA``, exact bf16 values otherwise), then the ReLU, the head weights and the sum over each
+    query's heads; ``-inf`` past each query's length and up to ``width``."""
+    t0 = tl.program_id(0) * BLOCK_T
+    uniform, row = _tile_request(rows_ptr, t0, tokens, BLOCK_T)
+    if SKIP_T > 0:
+        wider, _ = _tile_request(rows_ptr, t0 // SKIP_T * SKIP_T, tokens, SKIP_T)
+        uniform = uniform & ~wider
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    in_t = t < tokens
+    lengths = tl.load(len_ptr + t, mask=in_t, other=0)
+    scored = tl.where(uniform, tl.cdiv(tl.max(lengths, axis=0), BLOCK_N), 0)
+    blocks = tl.where(uniform, tl.cdiv(width, BLOCK_N), 0)
+    # the tile's queries, head-major within a query: [BLOCK_T * BLOCK_H, 128] with its weights
+    m = tl.arange(0, BLOCK_T * BLOCK_H)
+    mt = t0.to(tl.int64) + m // BLOCK_H
+    mh = m % BLOCK_H
+    in_m = (mt < tokens) & (mh < heads)
+    if FORMAT == FP8:
+        d = tl.arange(0, _DIM)
+        code = tl.load(q_ptr + mt[:, None] * q_t + mh[:, None] * q_h + d[None, :], mask=in_m[:, None], other=0)
+        if FP8_MMA:
+            queries = code.to(tl.float8e4nv, bitcast=True)
+        else:
+            queries = _e4m3_values(code, HW).to(tl.bfloat16)
+    else:
+        j = tl.arange(0, _DIM // 2)
+        g = tl.arange(0, 4)
+        byte = tl.load(q_ptr + mt[:, None] * q_t + mh[:, None] * q_h + j[None, :], mask=in_m[:, None], other=0)
+        e = tl.load(qs_ptr + mt[:, None] * qs_t + mh[:, None] * qs_h + g[None, :], mask=in_m[:, None], other=0)
+        queries = _fp4_values(byte, e).to(tl.bfloat16)
+    w = tl.load(w_ptr + mt * w_t + mh * w_h, mask=in_m, other=0.0)
+    unscale = _unscale(FORMAT, HW, FP8_MMA)
+    for block in range(tl.program_id(1), scored, tl.num_programs(1)):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        seen = cols < tl.max(lengths, axis=0)  # by some query of the tile
+        entry = cols // page_size
+        page = tl.load(table_ptr + row * tab_r + entry * tab_p, mask=seen, other=0).to(tl.int64)
+        key, key_scale = _cache_keys(cache_ptr + page * page_stride, cols - entry * page_size, seen, page_size,
+                                     FORMAT, HW, FP8_MMA)
+        scores = tl.dot(key, tl.trans(queries))  # [BLOCK_N, BLOCK_T * BLOCK_H]
+        relu = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+        acc = tl.sum(tl.reshape(relu, (BLOCK_N, BLOCK_T, BLOCK_H)), axis=2) * unscale  # [BLOCK_N, BLOCK_T]
+        if FORMAT == FP8:
+            acc = acc * key_scale[:, None]
+        logits = tl.where(cols[:, None] < lengths[None, :], acc, float("-inf"))
+        tl.store(out_ptr + t[None, :] * out_t + cols[:, None], logits, mask=in_t[None, :] & (cols < width)[:, None])
+    for block in range(scored + tl.program_id(1), blocks, tl.num_programs(1)):  # past every query: -inf
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t[None, :] * out_t + cols[:, None], tl.full([BLOCK_N, BLOCK_T], float("-inf"), tl.float32),
+                 mask=in_t[None, :] & (cols < width)[:, None])
