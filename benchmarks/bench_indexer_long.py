@@ -24,7 +24,8 @@ request's: 132 bytes a block) at the device-to-device copy rate (read + written)
 same run.
 
 ``--profile``: the GPU kernels of one prefill call and one decode call at the longest context
-(``torch.profiler``), time per kernel name. ``--sweep``: the tile kernel at every ``(BLOCK_T, BLOCK_N, warps, stages)`` of a small grid,
+(``torch.profiler``), time per kernel name. ``--single-programs 2 4 8``: the decode rows at each number of single-query tile programs per SM
+(``--no-prefill``: decode rows only). ``--sweep``: the tile kernel at every ``(BLOCK_T, BLOCK_N, warps, stages)`` of a small grid,
 at the longest context. ``--accuracy``: the tile kernel's logits against float64 on 256 rows of a
 16K-token context (the largest error over ``sum_h |w_h| sum_d |q_hd k_d|``).
 """
@@ -212,6 +213,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the tile kernel's geometries at the longest context")
     parser.add_argument("--accuracy", action="store_true", help="the tile kernel's error against float64")
     parser.add_argument("--profile", action="store_true", help="time per GPU kernel at the longest context")
+    parser.add_argument("--single-programs", type=int, nargs="*",
+                        help="decode at each of these TILE_SINGLE_PROGRAMS_PER_UNIT values (a sweep)")
+    parser.add_argument("--no-prefill", action="store_true", help="decode rows only")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prefill": [], "decode": []}
@@ -222,15 +226,21 @@ def main() -> None:
         result["profile"] = profile(max(args.contexts), args.chunk, args.format, args.decode_rows)
         args.contexts = []
     with torch.no_grad():
-        for context in args.contexts:
+        for context in [] if args.no_prefill else args.contexts:
             row = prefill_case(context, args.chunk, args.format, args.sweep and context == max(args.contexts))
             result["prefill"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
         rate = copy_rate()
         for context in args.contexts:
             for rows in args.decode_rows:
-                result["decode"].append(decode_case(context, rows, rate, args.format))
-                print(json.dumps(result["decode"][-1]), flush=True)
+                for per_unit in args.single_programs or [triton_indexer.TILE_SINGLE_PROGRAMS_PER_UNIT]:
+                    default, triton_indexer.TILE_SINGLE_PROGRAMS_PER_UNIT = triton_indexer.TILE_SINGLE_PROGRAMS_PER_UNIT, per_unit
+                    try:
+                        result["decode"].append(decode_case(context, rows, rate, args.format))
+                    finally:
+                        triton_indexer.TILE_SINGLE_PROGRAMS_PER_UNIT = default
+                    result["decode"][-1]["single_programs_per_unit"] = per_unit
+                    print(json.dumps(result["decode"][-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

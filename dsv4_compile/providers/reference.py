@@ -472,22 +472,25 @@ CACHE_TOPK_ENTRY_BYTES = 12
 
 def cache_topk_in_groups(group_logits, topk, rows: int, q, lengths, k, width):
     """``dsv4::indexer_cache_topk`` in groups of ``rows`` rows: ``topk(group_logits(sl, visible), k)``
-    of each group's slice ``sl`` of the queries (``visible``: their lengths, int64; the logits
-    ``[rows, width]``); a row with at most ``k`` visible blocks takes them all, in order. A row's
-    result depends on its group only through ``group_logits``: the selection is exact."""
+    of each group's slice ``sl`` of the queries (``visible``: their lengths; the logits ``[rows,
+    width]``, ``-inf`` past each row's length), ``-1`` where a column is past the row's length (a
+    row with at most ``k`` visible blocks takes them all, in order). A row's result depends on its
+    group only through ``group_logits``: the selection is exact."""
     tokens = q.shape[0]
-    out = indexer_cache_topk_output(q, k)
     if tokens == 0 or k == 0:
-        return out
-    order = torch.arange(k, device=q.device)
+        return indexer_cache_topk_output(q, k)
+    if k >= width:  # every visible block, in order
+        order = torch.arange(k, device=q.device)
+        return torch.where(order < lengths[:, None], order, -1)
+    groups = []
     for t in range(0, tokens, rows):
         sl = slice(t, t + rows)
-        visible = lengths[sl].long()
-        chosen = torch.where(order < visible[:, None], order, -1)  # every visible block
-        if k < width:
-            chosen = torch.where(visible[:, None] <= k, chosen, topk(group_logits(sl, visible), k))
-        out[sl] = chosen
-    return out
+        visible = lengths[sl]
+        # a row with at most k visible blocks: its top k are those blocks (above -inf, or equal
+        # to -inf at lower columns), then the lowest invisible columns, which become -1
+        best = topk(group_logits(sl, visible), k)
+        groups.append(best.masked_fill_(best >= visible[:, None], -1))
+    return groups[0] if len(groups) == 1 else torch.cat(groups)
 
 
 #: Bytes of one group's visible slots and logits in ``dsv4::indexer_cache_topk``: the two ops it
@@ -503,7 +506,7 @@ def indexer_cache_topk(q, weights, index_cache, block_table, table_rows, lengths
     width = block_table.shape[1] * page_size
 
     def group_logits(sl, visible):
-        slots = layout.visible_slots(block_table, table_rows[sl].long(), visible, page_size, width)
+        slots = layout.visible_slots(block_table, table_rows[sl].long(), visible.long(), page_size, width)
         return indexer_cache_logits(q[sl], weights[sl], index_cache, slots, page_size, index_format,
                                     None if q_scales is None else q_scales[sl], batch_invariant)
 

@@ -297,6 +297,11 @@ def _launch_rows(q, weights, index_cache, page_size, fmt, q_scales, logits, slot
 #: :data:`TILE_SINGLE_ROWS` rows (decode) take one query a tile: their rows are mostly of several
 #: requests, and a query's keys are read by it alone anyway.
 TILE_COLUMNS, TILE_BLOCK_N, TILE_WARPS, TILE_STAGES, TILE_SINGLE_ROWS = 256, 128, 4, 3, 64
+#: Programs a SM / Xe-core that single-query tiles aim at (their product holds a quarter of the
+#: registers of a 4-query tile's, so more programs fit and hide each other's latency). On an H100
+#: at a 1M-token context: 1 decode row 48 / 51 / 50 µs at 2 / 4 / 8 (within the run's noise), 8
+#: rows 155 / 162 / 139 µs (benchmarks/history/RESULTS-notebook.md).
+TILE_SINGLE_PROGRAMS_PER_UNIT = 8
 
 
 def tile_geometry(heads: int, tokens: int) -> tuple[int, int, int]:
@@ -319,13 +324,15 @@ def _launch_tiles(q, weights, index_cache, block_table, table_rows, lengths, pag
                   geometry, skip_t=0) -> None:
     """``tile_logits_kernel`` over the rows of ``logits`` in tiles of ``geometry = (BLOCK_T,
     BLOCK_N, warps, stages)``, each tile's columns shared among programs as in
-    :func:`programs_per_row` (tiles of several requests, and with ``skip_t`` those inside a
+    :func:`programs_per_row` (:data:`PROGRAMS_PER_UNIT` per SM, :data:`TILE_SINGLE_PROGRAMS_PER_UNIT`
+    for single-query tiles; tiles of several requests, and with ``skip_t`` those inside a
     ``skip_t``-row tile of one request, left to other launches)."""
     tokens, heads = q.shape[:2]
     block_t, block_n, warps, stages = geometry
     block_h = tile_geometry(heads, tokens)[2]
     tiles = -(-tokens // block_t)
-    programs = programs_per_row(q.device, tiles, -(-logits.shape[1] // block_n))
+    per_unit = TILE_SINGLE_PROGRAMS_PER_UNIT if block_t == 1 else PROGRAMS_PER_UNIT
+    programs = max(1, min(-(-logits.shape[1] // block_n), per_unit * triton_common.compute_units(q.device) // tiles))
     kernel = _kernels().tile_logits_kernel
     codes = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
     scales = codes if q_scales is None else q_scales  # not read without fp4
