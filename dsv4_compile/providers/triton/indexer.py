@@ -1,6 +1,7 @@
-"""Triton kernels for ``dsv4::indexer_logits``, ``dsv4::indexer_topk``, ``dsv4::indexer_store``
-and ``dsv4::indexer_cache_logits`` on CUDA and XPU (provider ``"triton"``; the last two: docs/design.md
-§2.11, :func:`indexer_store`, :func:`indexer_cache_logits`).
+"""Triton kernels for ``dsv4::indexer_logits``, ``dsv4::indexer_topk``, ``dsv4::indexer_store``,
+``dsv4::indexer_cache_logits`` and ``dsv4::indexer_cache_topk`` on CUDA and XPU (provider
+``"triton"``; the paged cache's: docs/design.md §2.11, §2.12, :func:`indexer_store`,
+:func:`indexer_cache_logits`, :func:`table_logits` and its tile kernel).
 
 A program scores ``BLOCK_N`` blocks of one query row at a time (docs/design.md §2.8)::
 
