@@ -55,10 +55,12 @@ def test_step_is_one_graph_without_breaks(models, mode):
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
 
-def test_transformers_forward_is_refused_with_a_message(models):
+def test_a_replaced_attention_alone_is_refused_with_a_message(models):
+    """Our attention runs within a step (ours, or transformers' forward through a PagedCache);
+    called alone, as a decoder layer would without either, it says what to call."""
     _, ours = models
-    with torch.no_grad(), pytest.raises(RuntimeError, match="run its steps through TransformersDSV4"):
-        ours.hf(torch.tensor([[1, 2, 3]]))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="call the model itself"):
+        ours.hf.model.layers[0].self_attn(torch.zeros(1, 3, 128))
 
 
 def test_wrapping_a_wrapped_model_again_is_refused(models):

@@ -416,6 +416,11 @@ def attention_from_hf(
 # --------------------------------------------------------------------------------------------
 
 STEP_KWARG = "dsv4_step"  # the keyword a decoder layer forwards to its attention: the step's metadata
+#: the keywords transformers passes a cache under (``cache`` from 5.25, ``past_key_values`` before)
+CACHE_KEYWORDS = ("cache", "past_key_values")
+#: the attention mask transformers' decoder gets from a switched model's forward: a dict, which it
+#: takes as masks already built (no ``[B, 1, S, columns]`` mask is made: our attention needs none)
+NO_MASK = {"dsv4_paged": None}
 
 
 class _OurAttention(nn.Module):
@@ -431,14 +436,18 @@ class _OurAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
         step = kwargs.get(STEP_KWARG)
-        if step is None:
+        if step is not None:  # TransformersDSV4.forward: the step's tokens packed as one sequence
+            x = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.attn.wq_b.weight.dtype)
+            return self.attn(x, step).to(hidden_states.dtype).view_as(hidden_states), None
+        from .transformers_cache import PagedCache  # imports transformers, which built this layer's model
+
+        cache = next((v for k, v in kwargs.items() if k in CACHE_KEYWORDS and isinstance(v, PagedCache)), None)
+        if cache is None or cache.step is None:
             raise RuntimeError(
-                "this transformers model's attention was replaced by dsv4_compile's (paged caches): run its "
-                "steps through TransformersDSV4 (e.g. dsv4_compile.generation.generate), not transformers' "
-                "forward or generate()"
-            )
-        x = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.attn.wq_b.weight.dtype)
-        return self.attn(x, step).to(hidden_states.dtype).view_as(hidden_states), None
+                "this transformers model's attention was replaced by dsv4_compile's (paged caches): call the model "
+                "itself (its forward or generate(), which TransformersDSV4 prepares) or TransformersDSV4's steps, "
+                "not a decoder layer alone")
+        return cache.step.attend(self.attn, hidden_states), None
 
 
 class TransformersDSV4(nn.Module):
@@ -449,13 +458,22 @@ class TransformersDSV4(nn.Module):
     :class:`DeepseekV4Attention` loaded from it (:func:`attention_from_hf`, caches of ``cache``:
     formats, pages, requests); everything else stays transformers' own modules and code — the
     embedding, the hyper-connections (mHC), the norms, the MoE, the hyper head and the LM head.
-    A step takes the package's step inputs (:func:`dsv4_compile.generation.step_inputs`: the
-    tokens of several requests packed into one sequence, their positions, batch rows, lengths
-    and cache rows) and returns the logits of each request's last token, like
-    :class:`dsv4_compile.models.DeepseekV4Model`, so :func:`dsv4_compile.generation.generate`
-    drives prefill and greedy decode. transformers' own ``forward`` / ``generate()`` cannot drive
-    it (their cache API holds dense per-layer key tensors, ours paged quantized caches): the
-    replaced attention says so if called that way."""
+
+    Two ways to run it:
+
+    * transformers' own: ``hf_model(input_ids, attention_mask=...)`` and ``hf_model.generate(...)``
+      (greedy or sampling; batches padded left or right) run on our attention through a
+      :class:`~dsv4_compile.integrations.transformers_cache.PagedCache`, which ``generate()``
+      creates (or pass one as the cache) and a forward without one makes for itself: a hook
+      before transformers' decoder packs each step's real tokens.
+    * ours: a step takes the package's step inputs (:func:`dsv4_compile.generation.step_inputs`:
+      the tokens of several requests packed into one sequence, their positions, batch rows,
+      lengths and cache rows) and returns the logits of each request's last token, like
+      :class:`dsv4_compile.models.DeepseekV4Model`, so :func:`dsv4_compile.generation.generate`
+      drives prefill and greedy decode, one graph per step kind under ``torch.compile``.
+
+    Both use the model's caches: one at a time (a new ``PagedCache`` or :meth:`reset_caches`
+    zeroes them, and an older ``PagedCache`` then refuses to step)."""
 
     def __init__(self, hf_model, cache: CacheConfig, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -481,15 +499,29 @@ class TransformersDSV4(nn.Module):
         self.extra_widths = {a.compress_ratio: a.extra_width for a in attns}
         pages = torch.arange(cache.num_pages, dtype=torch.int32, device=device)
         self.register_buffer("page_table", pages.view(cache.max_requests, cache.pages_per_request), persistent=False)
+        #: bumped whenever the caches are zeroed for a new owner (:meth:`claim_caches`)
+        self.cache_epoch = 0
+        self._hooks = _switch_transformers_entry_points(self)
 
-    def forward(self, input_ids, positions, batch_index, seq_lens, req_slots, mode: str = "decode") -> torch.Tensor:
-        if not torch.compiler.is_compiling() and checks.checked_mode():  # a device sync
-            self.step_limits.check(input_ids, positions, req_slots)
-        meta = build_step_metadata(
+    def step_metadata(self, positions, batch_index, seq_lens, req_slots, mode: str):
+        """The step metadata of our attention layers over this model's caches (traceable)."""
+        return build_step_metadata(
             positions, batch_index, seq_lens, req_slots, self.page_table, cache=self.cache,
             window=self.config.sliding_window, ratios=self.compressed_ratios, mode=mode,
             extra_widths=self.extra_widths,
         )
+
+    @torch.no_grad()
+    def claim_caches(self) -> int:
+        """Zero the caches for a new owner (a :class:`PagedCache`); returns the new epoch, which
+        an older owner's next step finds changed."""
+        self.reset_caches()
+        return self.cache_epoch
+
+    def forward(self, input_ids, positions, batch_index, seq_lens, req_slots, mode: str = "decode") -> torch.Tensor:
+        if not torch.compiler.is_compiling() and checks.checked_mode():  # a device sync
+            self.step_limits.check(input_ids, positions, req_slots)
+        meta = self.step_metadata(positions, batch_index, seq_lens, req_slots, mode)
         base = self.hf.model
         ids = input_ids[None]  # the step's tokens as one sequence: [1, T]
         h = base.embed_tokens(ids)
@@ -502,10 +534,81 @@ class TransformersDSV4(nn.Module):
     @torch.no_grad()
     def reset_caches(self) -> None:
         """Zero every cache and compressor state of our attention layers (addresses kept; their
-        modules' other persistent buffers, e.g. the MoE's routing tables, are transformers')."""
+        modules' other persistent buffers, e.g. the MoE's routing tables, are transformers'); a
+        live :class:`PagedCache` of the model becomes stale."""
         for layer in self.hf.model.layers:
             for buf in state_buffers(layer.self_attn.attn).values():
                 buf.zero_()
+        self.cache_epoch += 1
+
+
+#: ``generate()`` modes the switched model runs (transformers' ``GenerationMode`` values); the
+#: others need a cache that can be reordered, rolled back or expanded (``transformers_cache.UNSUPPORTED``)
+GENERATION_MODES = ("greedy_search", "sample")
+#: the ``generate()`` option behind each refused mode (a part of the mode's name -> the option)
+MODE_OPTIONS = {"beam": "num_beams > 1", "assisted": "assistant_model or prompt_lookup_num_tokens",
+                "contrastive": "penalty_alpha", "dola": "dola_layers"}
+
+
+def _switch_transformers_entry_points(model: TransformersDSV4) -> list:
+    """Make ``model.hf``'s own ``forward`` and ``generate()`` run on our attention: a forward
+    pre-hook on its decoder (``model.hf.model``) that steps a :class:`PagedCache` (the one passed,
+    or a new one) and hands the decoder :data:`NO_MASK`, and ``generate()``'s cache preparation
+    replaced (on the instance) by one that makes a :class:`PagedCache` and refuses the modes it
+    cannot serve. Returns the hook handles."""
+    from .transformers_cache import PagedCache
+
+    hf = model.hf
+    decoder = hf.model
+    keyword = _cache_keyword(type(decoder))
+
+    @torch.compiler.disable  # host work (the mask read on the host): run as it is, not traced
+    def begin_step(module, args, kwargs):
+        given = next(((k, v) for k, v in kwargs.items() if k in CACHE_KEYWORDS and v is not None), None)
+        key, cache = given if given is not None else (keyword, None)
+        if not isinstance(cache, PagedCache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"{key} must be a PagedCache of this switched model (its attention keeps paged "
+                                 f"caches), got a {type(cache).__name__} holding {cache.get_seq_length()} tokens")
+            cache = PagedCache(model)
+        elif cache.model is not model:
+            raise ValueError(f"{key} must be a PagedCache of this switched model, got one of another model")
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds is not supported by the switched model (its steps are packed by token "
+                             "ids and attention_mask): pass input_ids")
+        cache.begin_step(input_ids, kwargs.get("attention_mask"))
+        kwargs[key] = cache
+        kwargs["attention_mask"] = NO_MASK
+        return args, kwargs
+
+    handles = [decoder.register_forward_pre_hook(begin_step, with_kwargs=True)]
+    prepare = type(hf)._prepare_cache_for_generation
+    signature = inspect.signature(prepare)
+
+    def prepare_cache(*args, **kwargs):
+        bound = signature.bind(hf, *args, **kwargs).arguments
+        config, model_kwargs, mode = bound["generation_config"], bound["model_kwargs"], bound["generation_mode"]
+        mode = getattr(mode, "value", mode)
+        if mode not in GENERATION_MODES:
+            option = next((o for key, o in MODE_OPTIONS.items() if key in str(mode)), "its options")
+            raise ValueError(f"generate(): {mode} ({option}) is not supported by the switched model (paged caches "
+                             f"that cannot be reordered, rolled back or expanded): the generation mode must be one "
+                             f"of {list(GENERATION_MODES)} (num_beams=1, no assistant_model, "
+                             f"prompt_lookup_num_tokens, penalty_alpha or dola_layers)")
+        if getattr(config, "cache_implementation", None) is not None:
+            raise ValueError(f"generate(): cache_implementation must be None for the switched model (it runs on a "
+                             f"PagedCache), got {config.cache_implementation!r}")
+        key = next((k for k in CACHE_KEYWORDS if model_kwargs.get(k) is not None), keyword)
+        given = model_kwargs.get(key)
+        if given is not None and not (isinstance(given, PagedCache) and given.model is model):
+            raise ValueError(f"generate(): {key} must be a PagedCache of this switched model, got "
+                             f"{type(given).__name__}")
+        if given is None and getattr(config, "use_cache", True) is not False:
+            model_kwargs[key] = PagedCache(model)
+
+    hf._prepare_cache_for_generation = prepare_cache
+    return handles
 
 
 def tiny_hf_config(**overrides):
