@@ -3,6 +3,8 @@ on CUDA.
 
     PYTHONPATH=. python benchmarks/bench_transformers.py [--prefill 4096 32768] [--batch 1 32]
         [--context 1024] [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_transformers.py --generate [--generate-prompts 4096 32768]
+        [--generate-batch 1 8] [--new 32] [--json out.json]
 
 The model: transformers' ``DeepseekV4ForCausalLM`` with its default (DSV4-Flash) dimensions —
 hidden 4096, 64 heads of 512, q / o LoRA ranks 1024, 8 output groups, window 128, indexer 64 heads
@@ -20,6 +22,16 @@ transformers' own code both ways). Random bf16 weights (``random_hf_model``), ea
   per decode step (medians of :data:`STEPS` steps after :data:`WARMUP`): transformers eager with
   its cache; ours eager and compiled (``fullgraph=True, mode="reduce-overhead"``: CUDA graphs).
   Only the model call is timed (synchronized before and after), not building the step's inputs.
+
+**generate()** (``--generate``; ``--generate-prompts``, ``--generate-batch``, ``--new``): transformers'
+own ``model.generate(input_ids, max_new_tokens=--new, do_sample=False)`` on ``B`` random prompts
+of ``N`` tokens (no padding): theirs; ours through the same call after the switch, eager and with
+``model.forward = torch.compile(model.forward)``; and ours through
+``dsv4_compile.generation.generate`` with the step compiled (``fullgraph=True``, default mode).
+Per case: ``prefill_ms`` (a call of one new token), ``ms_per_token`` (the rest of a ``--new``-token
+call per further token), ``peak_gib`` (the allocator's peak above the start of the call; ours
+without its caches, allocated up front: ``ours_cache_bytes_per_token``); each call after a
+warm-up call of the same shape. ``--device cpu --tiny``: the tiny test config, a smoke run.
 
 Also a check that both run the same model: the prefill's last logits, ours against theirs, as a
 share of their largest magnitude (``last_logits_err_share``): both round at other places (theirs
@@ -39,7 +51,9 @@ import transformers
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config as HFConfig
 
 from dsv4_compile.generation import Batch, decode_inputs, prefill_inputs, random_prompts
-from dsv4_compile.integrations.transformers import LAYER_KINDS, TransformersDSV4, hf_cached_forward, random_hf_model
+from dsv4_compile.integrations.transformers import (
+    LAYER_KINDS, TransformersDSV4, hf_cached_forward, random_hf_model, tiny_hf_config,
+)
 from dsv4_compile.models import CacheConfig
 
 DEV = torch.device("cuda")
@@ -113,15 +127,104 @@ def our_decode(model: TransformersDSV4, step, batch: int, context: int, vocab: i
     return statistics.median(ms[WARMUP:])
 
 
+def generate_timing(call, new: int) -> dict:
+    """``call(max_new_tokens)`` timed at 1 and ``new`` tokens (each after a warm-up call of the same
+    size): ``prefill_ms``, ``ms_per_token`` over the further tokens, ``peak_gib`` of the longer
+    call, or the error if out of memory."""
+    def sync():
+        if DEV.type == "cuda":
+            torch.cuda.synchronize()
+
+    out = {}
+    try:
+        for tokens in (1, new):
+            call(tokens)  # warm-up: compiles, allocates
+            sync()
+            if DEV.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                start_bytes = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            call(tokens)
+            sync()
+            out[tokens] = (time.perf_counter() - start) * 1e3
+        peak = (torch.cuda.max_memory_allocated() - start_bytes) / GIB if DEV.type == "cuda" else None
+    except torch.OutOfMemoryError as e:
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"error": "out of memory: " + str(e).split("\n")[0][:160]}
+    return {"prefill_ms": out[1], "ms_per_token": (out[new] - out[1]) / max(new - 1, 1), "peak_gib": peak}
+
+
+@torch.no_grad()
+def generate_cases(config, cache_rows: int, prompt_lengths, batches, new: int) -> dict:
+    """transformers' generate() on their model, then on ours (eager, compiled forward), and ours
+    through dsv4_compile.generation.generate: ``{"N x B": {way: timing}}``."""
+    from dsv4_compile.generation import generate as our_generate
+
+    vocab = config.vocab_size
+    model = random_hf_model(config, seed=0, device=DEV, dtype=torch.bfloat16)
+    cases = {(n, b): torch.tensor(random_prompts(vocab, [n] * b, seed=3), device=DEV)
+             for n in prompt_lengths for b in batches}
+    report = {f"{n}x{b}": {} for n, b in cases}
+
+    def hf_generate(ids):
+        return lambda tokens: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                             min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+    for (n, b), ids in cases.items():
+        report[f"{n}x{b}"]["transformers"] = generate_timing(hf_generate(ids), new)
+        print("transformers generate", n, b, report[f"{n}x{b}"]["transformers"], flush=True)
+    longest = -(-(max(prompt_lengths) + new) // 256) * 256
+    ours = TransformersDSV4(model, CacheConfig(max_requests=cache_rows, max_seq_len=longest, kv_format="v4",
+                                               index_format="fp8"))
+    report["ours_cache_bytes_per_token"] = sum(ours.cache.bytes_per_token(r)["total"]
+                                               for r in ours.config.compress_ratios)
+    for (n, b), ids in cases.items():
+        report[f"{n}x{b}"]["ours_eager"] = generate_timing(hf_generate(ids), new)
+        print("ours generate eager", n, b, report[f"{n}x{b}"]["ours_eager"], flush=True)
+    forward = model.forward
+    model.forward = torch.compile(forward)
+    for (n, b), ids in cases.items():
+        report[f"{n}x{b}"]["ours_compiled"] = generate_timing(hf_generate(ids), new)
+        print("ours generate compiled", n, b, report[f"{n}x{b}"]["ours_compiled"], flush=True)
+    model.forward = forward
+    step = torch.compile(ours, fullgraph=True)
+    for (n, b), ids in cases.items():
+        prompts = ids.tolist()
+        report[f"{n}x{b}"]["ours_steps"] = generate_timing(
+            lambda tokens: (ours.reset_caches(), our_generate(ours, step, prompts, tokens - 1, DEV)), new)
+        print("ours steps", n, b, report[f"{n}x{b}"]["ours_steps"], flush=True)
+    return report
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--generate", action="store_true", help="only the generate() cases")
+    parser.add_argument("--generate-prompts", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--generate-batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new", type=int, default=32, help="new tokens a generate() call")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny test config (a smoke run)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=1024, help="tokens per request before the decode steps")
     parser.add_argument("--json")
     args = parser.parse_args()
+    global DEV
+    DEV = torch.device(args.device)
     torch.manual_seed(0)
-    config = flash_slice()
+    config = tiny_hf_config() if args.tiny else flash_slice()
+    if args.generate:
+        report = {"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "torch": torch.__version__,
+                  "transformers": transformers.__version__,
+                  "generate": generate_cases(config, max(args.generate_batch), args.generate_prompts,
+                                             args.generate_batch, args.new)}
+        print(json.dumps(report, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return report
     vocab = config.vocab_size
     model = random_hf_model(config, seed=0, device=DEV, dtype=torch.bfloat16)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
