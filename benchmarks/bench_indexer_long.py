@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
@@ -43,7 +42,8 @@ from dsv4_compile import layout
 from dsv4_compile.providers.triton import indexer as triton_indexer
 
 import dsv4_compile as d4
-from common import graph_timed
+from bench_step import copy_rate
+from common import graph_timed, timed
 
 HEADS, PAGE_BLOCKS, K = 64, 64, 512
 PEAK_FP8_TFLOPS = 1979.0
@@ -75,17 +75,8 @@ def queries(rows: int, fmt: str, seed: int = 1):
 
 
 def events_ms(fn, runs=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    """Median ms of one call of ``fn`` (:func:`common.timed`, one call a run)."""
+    return timed(fn, calls=1, runs=runs) / 1e3
 
 
 def prefill_case(context: int, chunk: int, fmt_name: str, sweep: bool) -> dict:
@@ -127,7 +118,7 @@ def prefill_case(context: int, chunk: int, fmt_name: str, sweep: bool) -> dict:
     return out
 
 
-def decode_case(context: int, rows: int, copy_rate: float, fmt_name: str) -> dict:
+def decode_case(context: int, rows: int, rate: float, fmt_name: str) -> dict:
     blocks = context // 4
     cache, table = cache_of(blocks, fmt_name)
     codes, weights, scales = queries(rows, fmt_name)
@@ -138,16 +129,7 @@ def decode_case(context: int, rows: int, copy_rate: float, fmt_name: str) -> dic
                                                    K, fmt_name, scales), per_graph=10, replays=20)
     key_bytes = blocks * layout.INDEX_FORMATS[fmt_name].token_bytes
     return {"context": context, "rows": rows, "format": fmt_name, "topk_us": round(us, 1),
-            "floor_us": round(key_bytes / copy_rate * 1e6, 1)}
-
-
-def copy_rate() -> float:
-    """Device-to-device copy rate of 1 GiB, bytes read plus bytes written per second (what HBM
-    moves: a kernel that only reads is bounded by about this rate)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = events_ms(lambda: b.copy_(a))
-    return 2 * a.numel() / (ms / 1e3)
+            "floor_us": round(key_bytes / rate * 1e6, 1)}
 
 
 def accuracy(fmt_name: str) -> dict:
@@ -230,7 +212,7 @@ def main() -> None:
             row = prefill_case(context, args.chunk, args.format, args.sweep and context == max(args.contexts))
             result["prefill"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
-        rate = copy_rate()
+        rate = copy_rate(torch.device("cuda"))
         for context in args.contexts:
             for rows in args.decode_rows:
                 for per_unit in args.single_programs or [triton_indexer.TILE_SINGLE_PROGRAMS_PER_UNIT]:

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from bench_indexer_long import PEAK_FP8_TFLOPS, events_ms, prefill_case
+from bench_indexer_long import PEAK_FP8_TFLOPS, prefill_case
+from common import graph_timed
 from dsv4_compile.generation import prefill_prompts, random_prompts, step_inputs
 from dsv4_compile.models import CacheConfig, DeepseekV4Config, DeepseekV4Model, tiny_config
 
@@ -111,15 +112,11 @@ def plot(json_path: str, png: str) -> None:
 
 def decode_ms(model: DeepseekV4Model, token: int, context: int, requests: int, device) -> float:
     """The decode step of ``requests`` requests at position ``context - 1`` (requests past the first
-    read its pages), eager, captured in a CUDA graph: median ms of 5 runs of 20 replays."""
+    read its pages), eager, captured in a CUDA graph: median ms of runs of 20 replays
+    (``common.graph_timed``)."""
     model.page_table[1:requests] = model.page_table[0]
     inputs = step_inputs([[token]] * requests, [context - 1] * requests, device)
-    model(**inputs)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(**inputs)
-    return events_ms(lambda: [graph.replay() for _ in range(20)]) / 20
+    return graph_timed(lambda: model(**inputs), per_graph=1, replays=20) / 1e3
 
 
 def main() -> None:

@@ -51,6 +51,13 @@ def padded(rows: list[list[int]], side: str = "left", pad: int = PAD) -> tuple[t
     return torch.tensor(ids), torch.tensor(mask)
 
 
+def ours_generate(ours, ids, mask, **options):
+    """Their ``generate()`` on the switched model: ``NEW`` greedy tokens padded with ``PAD`` unless
+    ``options`` say otherwise."""
+    options = {"max_new_tokens": NEW, "do_sample": False, "pad_token_id": PAD, **options}
+    return ours.hf.generate(input_ids=ids, attention_mask=mask, **options)
+
+
 def their_greedy(theirs, prompt: list[int], new: int = NEW) -> tuple[list[int], list[torch.Tensor]]:
     """Their eager model's greedy tokens of one prompt alone, and its logits of every step."""
     out = theirs.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=PAD,
@@ -99,8 +106,7 @@ def test_generate_gives_their_greedy_tokens_but_at_near_ties(models):
     rows = prompts()
     ids, mask = padded(rows)
     with torch.no_grad():
-        out = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                               pad_token_id=PAD)
+        out = ours_generate(ours, ids, mask)
     assert out.shape == (len(rows), ids.shape[1] + NEW)
     assert torch.equal(out[:, : ids.shape[1]], ids)
     assert_their_tokens_but_at_near_ties(theirs, rows, out[:, ids.shape[1]:])
@@ -132,8 +138,7 @@ def test_padding_is_neither_stored_nor_attended(models):
         with torch.no_grad():
             logits = ours.hf(ids, attention_mask=mask).logits[mask.bool()]
             state = kept_state(ours)
-            out = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                   pad_token_id=pad)
+            out = ours_generate(ours, ids, mask, pad_token_id=pad)
         runs.append((logits, state, out[:, ids.shape[1]:]))
     (logits, state, tokens), others = runs[0], runs[1:]
     assert len(state) >= 9, sorted(state)  # the window, compressed and index caches and the compressor states
@@ -147,13 +152,10 @@ def test_sampling_runs_and_top_1_sampling_is_greedy(models):
     _, ours = models
     ids, mask = padded(prompts())
     with torch.no_grad():
-        greedy = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                  pad_token_id=PAD)
-        top1 = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1,
-                                pad_token_id=PAD)
+        greedy = ours_generate(ours, ids, mask)
+        top1 = ours_generate(ours, ids, mask, do_sample=True, top_k=1)
         torch.manual_seed(0)  # 2 prompts x 2 sequences: the cache's 4 request slots
-        sampled = ours.hf.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=NEW, do_sample=True,
-                                   temperature=1.5, pad_token_id=PAD, num_return_sequences=2)
+        sampled = ours_generate(ours, ids[:2], mask[:2], do_sample=True, temperature=1.5, num_return_sequences=2)
     assert torch.equal(top1, greedy)
     assert sampled.shape == (4, ids.shape[1] + NEW)
     assert bool(((sampled >= 0) & (sampled < 256)).all())
@@ -163,11 +165,9 @@ def test_eos_stops_a_row_and_scores_are_returned(models):
     _, ours = models
     ids, mask = padded(prompts())
     with torch.no_grad():
-        free = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                pad_token_id=PAD)[:, ids.shape[1]:]
+        free = ours_generate(ours, ids, mask)[:, ids.shape[1]:]
         eos = int(free[0, 1])
-        out = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                               pad_token_id=PAD, eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
+        out = ours_generate(ours, ids, mask, eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
     new = out.sequences[:, ids.shape[1]:]
     for r in range(len(LENGTHS)):
         row, want = new[r].tolist(), free[r].tolist()
@@ -182,8 +182,7 @@ def test_chunked_prefill_gives_the_same_tokens_but_at_near_ties(models):
     rows = prompts()
     ids, mask = padded(rows)
     with torch.no_grad():
-        out = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                               pad_token_id=PAD, prefill_chunk_size=64)
+        out = ours_generate(ours, ids, mask, prefill_chunk_size=64)
     assert_their_tokens_but_at_near_ties(theirs, rows, out[:, ids.shape[1]:])
 
 
@@ -218,7 +217,7 @@ def test_unsupported_generate_options_are_named(models, options, message):
     _, ours = models
     ids, mask = padded(prompts())
     with torch.no_grad(), pytest.raises(ValueError, match=message):
-        ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, **options)
+        ours_generate(ours, ids, mask, max_new_tokens=2, **options)
 
 
 def test_unsupported_cache_operations_and_inputs_are_named(models):
@@ -253,15 +252,12 @@ def test_compiled_forward_gives_the_same_tokens_without_recompiles(models):
     forward = ours.hf.forward
     torch._dynamo.reset()
     with torch.no_grad():
-        eager = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                 pad_token_id=PAD)
+        eager = ours_generate(ours, ids, mask)
         ours.hf.forward = torch.compile(forward, backend=counted)
         try:
-            compiled = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                        pad_token_id=PAD)
+            compiled = ours_generate(ours, ids, mask)
             first = len(graphs)
-            longer = ours.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2 * NEW, do_sample=False,
-                                      pad_token_id=PAD)
+            longer = ours_generate(ours, ids, mask, max_new_tokens=2 * NEW)
         finally:
             ours.hf.forward = forward
     assert torch.equal(compiled, eager)

@@ -42,10 +42,10 @@ UNSUPPORTED = {
 class PagedStep:
     """One forward's packing: ``index`` ``[T]`` int64, the flat ``b * S + s`` positions of the real
     tokens of ``input_ids [B, S]`` in request order; ``meta``, their step metadata (``None`` for a
-    step without real tokens); ``shape``, ``(B, S)``."""
+    step without real tokens)."""
 
-    def __init__(self, index: torch.Tensor, meta, shape: tuple[int, int]):
-        self.index, self.meta, self.shape = index, meta, shape
+    def __init__(self, index: torch.Tensor, meta):
+        self.index, self.meta = index, meta
 
     def attend(self, attn, hidden_states: torch.Tensor) -> torch.Tensor:
         """``attn`` (our layer) over this step's real tokens of ``hidden_states [B, S, hidden]``:
@@ -159,6 +159,6 @@ class PagedCache(Cache):
         self.lengths = (stored + counts).tolist()
         self.columns += width
         flat = flat.to(device)
-        self.step = PagedStep(flat, meta, (batch, width))
+        self.step = PagedStep(flat, meta)
         return self.step
 
