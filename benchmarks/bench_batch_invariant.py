@@ -25,7 +25,7 @@ from dsv4_compile.providers.triton import attention as ta
 from common import DEV, decode_inputs, graph_timed
 
 SCALE = layout.HEAD_DIM**-0.5
-SPLIT_KEYS_SWEEP = (64, 128, 192, 256, 384, 512, 640)
+SPLIT_KEYS_SWEEP = (128, 256, 384, 512, 640)
 ROWS = (1, 8, 64, 256)
 
 

@@ -68,14 +68,13 @@ def calls():
             cache if extra else None, 64, x_idx if extra else None, length if extra else None,
             None, None, 0.05, 512, layout.V4, layout.V41_FP4 if extra else None,
         )
-    # the batch-invariant mode: a split a program with a combine (a row's programs past its splits
-    # return at once; one row), a program for all of a row's splits that merges them itself (six
-    # rows, 4 SMs while recorded), and a launch of one split per row (its rows write their outputs)
-    for batch, s_q, x_width in ((1, 1, 512), (3, 2, 512), (3, 2, 0)):
-        q = torch.randn(batch, s_q, 64, 512, generator=g, **bf16)
-        idx = torch.randint(0, 256, (batch, s_q, 128), dtype=torch.int32, generator=g)
-        x_idx = torch.randint(0, 256, (batch, s_q, x_width), dtype=torch.int32, generator=g)
-        length = torch.full((batch,), 100, dtype=torch.int32)
+    # the batch-invariant mode: fixed splits with a combine (a row's programs past its splits
+    # return at once), and a launch of one split per row (its rows write their outputs themselves)
+    for x_width in (512, 0):
+        q = torch.randn(3, 2, 64, 512, generator=g, **bf16)
+        idx = torch.randint(0, 256, (3, 2, 128), dtype=torch.int32, generator=g)
+        x_idx = torch.randint(0, 256, (3, 2, x_width), dtype=torch.int32, generator=g)
+        length = torch.full((3,), 100, dtype=torch.int32)
         yield triton_attention.flash_mla_with_kvcache, (
             q, cache, 64, idx, length, torch.zeros(64), cache if x_width else None, 64, x_idx if x_width else None,
             length if x_width else None, None, None, 0.05, 512, layout.V4, None, True,

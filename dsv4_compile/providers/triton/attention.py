@@ -234,7 +234,7 @@ def decode_splits(device: torch.device, programs, keys: int, block_n: int):
     shapes only; guard-free for symbolic ``programs``."""
     per_split = max(MIN_SPLIT_KEYS, block_n)
     cap = max(1, min(MAX_SPLITS, -(-int(keys) // per_split)))  # index widths are specialised
-    return programs_per_row(device, programs, cap)
+    return torch.sym_max(1, torch.sym_min(cap, triton_common.compute_units(device) // torch.sym_max(programs, 1)))
 
 
 def decode_plan(device: torch.device, rows, heads: int, keys: int):
@@ -249,30 +249,12 @@ def invariant_splits(config: Config, width: int, extra_width: int) -> tuple[int,
     """``(splits, split_keys)`` of a decode launch in the batch-invariant mode: each row's virtual
     list (its main entries padded to whole key blocks, then its extra ones) is cut into splits of
     ``split_keys`` entries (:data:`INVARIANT_SPLIT_KEYS`, more where the index widths would need
-    more than :data:`MAX_SPLITS`): a function of the widths alone, never of the batch; ``splits``
-    is the widest possible row's count, and a row's programs past its own return at once."""
+    more than :data:`MAX_SPLITS`): a function of the widths alone, never of the batch; the launch
+    has the splits of the widest possible row, and a row's programs past its own return at once."""
     block = config.block_n
     blocks = -(-int(width) // block) + -(-int(extra_width) // block)  # index widths are specialised
     per_split = max(INVARIANT_SPLIT_KEYS // block, -(-blocks // MAX_SPLITS))
     return max(1, -(-blocks // per_split)), per_split * block
-
-
-def invariant_group(device: torch.device, row_programs, splits: int):
-    """``(group, programs)``: how many of a row's ``splits`` (batch-invariant mode) a decode program
-    takes one after the other, and the programs per row's head block: as few splits a program as
-    leave about one program per compute unit over ``row_programs`` (rows x head blocks), all of
-    a row's splits where that is more programs than units, so that the program merges them itself
-    (no combine launch). It sets only which program computes a split, never a row's bits.
-    Guard-free for symbolic ``row_programs``."""
-    programs = programs_per_row(device, row_programs, splits)
-    return -(-splits // programs), programs
-
-
-def programs_per_row(device: torch.device, row_programs, cap: int):
-    """At most ``cap`` programs per row's head block, about one per compute unit over all of
-    ``row_programs``, at least one (guard-free for symbolic ``row_programs``)."""
-    units = triton_common.compute_units(device)
-    return torch.sym_max(1, torch.sym_min(cap, units // torch.sym_max(row_programs, 1)))
 
 
 def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> tuple:
@@ -290,18 +272,17 @@ def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> 
     return None, config.extra_stages
 
 
-def decode_order(config: Config, rows, wave: int, programs, width: int, extra_width: int,
+def decode_order(config: Config, rows, wave: int, splits, width: int, extra_width: int,
                  has_lengths: bool) -> tuple:
-    """``(ORDER, ORDER_ROWS, ORDER_BINS)`` of a decode launch of ``programs`` per row's head block:
-    whether its programs take the rows longest first (most key blocks, by the lengths;
-    :func:`_longest_first`). That pays where rows of one program each fill more than one ``wave``
-    of programs: the hardware starts programs in order, so
+    """``(ORDER, ORDER_ROWS, ORDER_BINS)`` of a decode launch: whether its programs take the rows
+    longest first (most key blocks, by the lengths; :func:`_longest_first`). That pays where rows of
+    one split each fill more than one ``wave`` of programs: the hardware starts programs in order, so
     the longest rows start first and short ones fill the last wave (H200, T = 256 rows of 5-10 key
     blocks in random order: the same launch took 0.90x the time with the rows sorted longest first).
     Only with lengths (else all rows are alike) and up to :data:`ORDER_MAX_ROWS` rows. ``ORDER`` 1:
-    ordered; 0: not; 2: decided in the kernel (a symbolic row or program count: no guard)."""
-    static = isinstance(rows, int) and isinstance(programs, int)
-    if not has_lengths or static and not (programs == 1 and wave < rows <= ORDER_MAX_ROWS):
+    ordered; 0: not; 2: decided in the kernel (a symbolic row or split count: no guard)."""
+    static = isinstance(rows, int) and isinstance(splits, int)
+    if not has_lengths or static and not (splits == 1 and wave < rows <= ORDER_MAX_ROWS):
         return 0, 1, 1
     blocks = -(-int(width) // config.block_n) + -(-int(extra_width) // config.block_n)  # widths specialised
     bins = 1 << blocks.bit_length()  # a power of two > blocks
@@ -352,19 +333,16 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     has_extra = extra_k_cache is not None
     width, extra_width = indices.shape[-1], extra_indices.shape[-1] if has_extra else 0
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
-    head_blocks = -(-heads // block_h)
-    split_keys, group, programs = 0, 1, splits  # a split a program; split_keys: unused
+    split_keys = 0  # unused outside the batch-invariant mode
     if batch_invariant:
         splits, split_keys = invariant_splits(config, width, extra_width)
-        group, programs = invariant_group(q.device, rows * head_blocks, splits)
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
+    head_blocks = -(-heads // block_h)
     wave = triton_common.compute_units(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
     has_len, has_x_len = topk_length is not None, has_extra and extra_topk_length is not None
-    order = decode_order(config, rows, wave, programs, width, extra_width, has_len or has_x_len)
+    order = decode_order(config, rows, wave, splits, width, extra_width, has_len or has_x_len)
     partial = _partial_mode(splits)
-    split = partial > 0  # a workspace for partial results
-    # a combine launch: unless every row's splits are merged by the program that holds them all
-    combine = split and not (isinstance(programs, int) and programs == 1 and group == splits)
+    split = partial > 0
     shift, pow2 = _page_shift(page_size)
     if has_extra:
         x_shift, x_pow2 = _page_shift(extra_page_size)
@@ -381,24 +359,24 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         part_lse = q.new_empty(rows, splits, heads, dtype=torch.float32)
     else:  # never written (PARTIAL=0): q stands in
         part = part_lse = q
-    kernels(_kernels().decode_kernel)[(rows, head_blocks, programs)](
+    kernels(_kernels().decode_kernel)[(rows, head_blocks, splits)](
         q, *q.stride(),
         k_cache, page_size, shift, k_cache.stride(0), indices, *indices.stride(), indices.shape[-1],
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
-        rows, s_q, heads, splits, split_keys, group, wave, softmax_scale * LOG2E,
+        rows, s_q, heads, splits, split_keys, wave, softmax_scale * LOG2E,
         HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, INVARIANT=batch_invariant, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _kernels().decode_kernel),
         STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if combine:
+    if split:
         kernels(_kernels().combine_kernel)[(rows, -(-heads // COMBINE_BLOCK_H), layout.HEAD_DIM // COMBINE_BLOCK_D)](
             part, part_lse, sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1),
             s_q, heads, splits, length, length.stride(0), x_len, x_len.stride(0), indices.shape[-1], x[-1],
-            split_keys, group, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
+            split_keys, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
             INVARIANT=batch_invariant, HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len,
             BLOCK_N=config.block_n, num_warps=4,
         )

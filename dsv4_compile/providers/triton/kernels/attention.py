@@ -15,8 +15,6 @@ _DATA_BYTES, _SCALE_BYTES = tl.constexpr(layout.DATA_BYTES), tl.constexpr(layout
 _LN2, _LOG2E = tl.constexpr(math.log(2.0)), tl.constexpr(math.log2(math.e))
 #: the key's column pieces: [0, 256) [256, 384) [384, 448) [448, 512)
 _C0, _C1, _C2, _C3 = tl.constexpr(0), tl.constexpr(256), tl.constexpr(384), tl.constexpr(448)
-#: columns a decode program merges at a time when it holds a whole row (batch-invariant mode)
-_MERGE_D = tl.constexpr(128)
 
 
 @triton.jit
@@ -290,7 +288,7 @@ def decode_kernel(
     x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
     x_len_ptr, x_len_sb,
     sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
-    rows, s_q, heads, num_splits, split_keys, group, wave, scale_log2,
+    rows, s_q, heads, num_splits, split_keys, wave, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -303,20 +301,16 @@ def decode_kernel(
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
     ``INVARIANT`` (the batch-invariant mode): a row's splits are ``split_keys`` entries each of its
     virtual list, as many as its lengths need (:func:`_row_splits`), whatever ``num_splits`` (the
-    launch's, for the widest row); program ``split`` takes the row's splits ``split * group ..``
-    (``group`` of them, fewer at the row's end) one after the other, each from an empty softmax
-    state; a row of one split writes the final outputs, a longer one its partial results, which
-    the program that holds all of a row's splits merges itself (:func:`_merge`, the combine's
-    arithmetic: the same bits) and the combine kernel merges otherwise; the programs past a row's
-    splits return at once. How many splits a program takes changes no row's bits.
+    launch's, for the widest row); a row of one split writes the final outputs, a longer one its
+    partial results, and the programs past a row's splits return at once.
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
     ``HW``: fp8 by conversion instructions (:func:`.common.hardware_conversions`).
     ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
-    2: so if at run time one program per row leaves more rows than one ``wave`` of programs."""
+    2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
     # constexpr for ORDER 0 / 1 (the `or` / `and` short-circuit on them), a run-time test for 2
-    if ORDER == 1 or (ORDER == 2 and ((tl.num_programs(2) == 1) & (rows > wave) & (rows <= ORDER_ROWS))):
+    if ORDER == 1 or (ORDER == 2 and ((num_splits == 1) & (rows > wave) & (rows <= ORDER_ROWS))):
         r = tl.arange(0, ORDER_ROWS)
         live = r < rows
         n_r, x_n_r = _counted(tl.load(len_ptr + (r // s_q) * len_sb, mask=live & HAS_LEN, other=0),
@@ -333,18 +327,16 @@ def decode_kernel(
     # the virtual list: the main entries padded to whole key blocks, then the extra ones, so that
     # every key block of a split lies in one cache (no split pays a partial block on both sides)
     n_pad = tl.cdiv(n, BLOCK_N) * BLOCK_N
-    if INVARIANT:  # fixed splits of the row's own list, `group` of them a program
+    if INVARIANT:  # fixed splits of the row's own list
         chunk = split_keys
         row_splits = _row_splits(n, x_n, split_keys, BLOCK_N)
-        first = split * group
-        if first >= row_splits:
+        if split >= row_splits:
             return
-        count = tl.minimum(group, row_splits - first)
-    else:  # num_splits equal splits of whole key blocks, one a program (a loop of one: no loop)
+    else:  # num_splits equal splits of whole key blocks
         chunk = tl.cdiv(tl.cdiv(n_pad + x_n, num_splits), BLOCK_N) * BLOCK_N
         row_splits = num_splits
-        first = split
-        count = 1
+    v0 = split * chunk
+    v1 = tl.minimum(v0 + chunk, n_pad + x_n)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < heads
     q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
@@ -352,50 +344,42 @@ def decode_kernel(
     q1 = tl.load(q_row + (tl.arange(0, _C2 - _C1) + _C1)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
     q2 = tl.load(q_row + (tl.arange(0, _C3 - _C2) + _C2)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
     q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+
+    acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_H, _C3 - _C2), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_H, _D - _C3), dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     idx_row = idx_ptr + b.to(tl.int64) * idx_sb + s.to(tl.int64) * idx_ss
     x_idx_row = x_idx_ptr + b.to(tl.int64) * x_idx_sb + s.to(tl.int64) * x_idx_ss
+    # the split's part of the main entries, then of the extra ones (each cache has its own format)
+    acc0, acc1, acc2, acc3, m, l = _attend(
+        acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
+        cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
+        FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW, STAGES,
+    )
+    if HAS_EXTRA:
+        acc0, acc1, acc2, acc3, m, l = _attend(
+            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
+            x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
+            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW, X_STAGES,
+        )
+
+    lse2, inv_l = _lse2_and_inverse(m, l)
+    part_at = (row.to(tl.int64) * num_splits + split) * heads + h
     out_at = row.to(tl.int64) * heads + h
     lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
-    # several splits: each split's normalised output acc / l and base-2 lse; one: the final outputs
+    # several splits: the split's normalised output acc / l and base-2 lse; one: the final outputs
     partial = PARTIAL == 1
     if PARTIAL == 2 or INVARIANT:
         partial = row_splits > 1
-    for i in range(count):
-        split_at = first + i
-        v0 = split_at * chunk
-        v1 = tl.minimum(v0 + chunk, n_pad + x_n)
-        acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_H, _C3 - _C2), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_H, _D - _C3), dtype=tl.float32)
-        m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        # the split's part of the main entries, then of the extra ones (each cache has its own format)
-        acc0, acc1, acc2, acc3, m, l = _attend(
-            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
-            cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
-            FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW, STAGES,
-        )
-        if HAS_EXTRA:
-            acc0, acc1, acc2, acc3, m, l = _attend(
-                acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
-                x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
-                X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW, X_STAGES,
-            )
-        lse2, inv_l = _lse2_and_inverse(m, l)
-        part_at = (row.to(tl.int64) * num_splits + split_at) * heads + h
-        if partial:
-            tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
-            _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
-        else:
-            factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
-            _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
-    if INVARIANT:
-        if (first == 0) & (count == row_splits) & (row_splits > 1):  # the whole row: merge it here
-            tl.debug_barrier()  # every thread's partial results written before any is read
-            for d0 in tl.static_range(0, _D, _MERGE_D):
-                _merge(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_at, row, h, h_mask,
-                       d0 + tl.arange(0, _MERGE_D), heads, num_splits, row_splits, HAS_SINK, d0 == 0)
+    if partial:
+        tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
+        _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
+    else:
+        factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
+        _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
 
 
 @triton.jit
@@ -407,66 +391,57 @@ def _row_splits(n, x_n, split_keys, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge(
-    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_at, row, h, h_mask, d, heads, num_splits, count,
-    HAS_SINK: tl.constexpr, WRITE_LSE,
+def _combine(
+    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+    s_q, heads, num_splits, count, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Columns ``d`` of row ``row``'s heads ``h`` from its first ``count`` of ``num_splits`` partial
-    results, in split order: ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i *
-    sigmoid(lse - sink)``; the lse too where ``WRITE_LSE``. Each (head, column) is computed on its
-    own, so the tile's shape changes no bit (the decode kernel merges a whole row this way, the
-    combine kernel a tile of it). The partial results are read past L1 (``.cg``): in the decode
-    kernel they were written by the program's own threads."""
+    """Columns ``BLOCK_D * program_id(2) ..`` of one row's head block, and its lse, from its first
+    ``count`` of ``num_splits`` partial results, in split order:
+    ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i * sigmoid(lse - sink)``."""
+    row = tl.program_id(0)
+    b = row // s_q
+    s = row - b * s_q
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     first = row.to(tl.int64) * num_splits * heads + h  # split 0's entry of each head
-    top = tl.full(h.shape, -float("inf"), dtype=tl.float32)
+    top = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
     for i in range(count):
-        top = tl.maximum(top, tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf"),
-                                      cache_modifier=".cg"))
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")))
     ref = tl.where(top == -float("inf"), 0.0, top)
-    total = tl.zeros(h.shape, dtype=tl.float32)
-    acc = tl.zeros((h.shape[0], d.shape[0]), dtype=tl.float32)
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     for i in range(count):
-        w = tl.exp2(tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf"),
-                            cache_modifier=".cg") - ref)
-        o = tl.load(part_ptr + (first + i * heads)[:, None] * _D + d[None, :], mask=h_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
+        w = tl.exp2(tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")) - ref)
+        o = tl.load(part_ptr + (first + i * heads)[:, None] * _D + d[None, :], mask=h_mask[:, None], other=0.0)
         total += w
         acc += w[:, None] * o
     lse2, inv_total = _lse2_and_inverse(ref, total)
+    lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
     _store_final(out_ptr, lse_at, row.to(tl.int64) * heads + h, d, h, h_mask, acc, lse2, inv_total,
-                 sink_ptr, sink_stride, HAS_SINK, h_mask & WRITE_LSE)
+                 sink_ptr, sink_stride, HAS_SINK, h_mask & (tl.program_id(2) == 0))
 
 
 @triton.jit
 def combine_kernel(
     part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
-    s_q, heads, num_splits, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys, group,
+    s_q, heads, num_splits, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys,
     HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVARIANT: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (row, head block, column block): merge the row's ``num_splits`` partial results
-    (:func:`_merge`), or with ``INVARIANT`` its own split count's (:func:`_row_splits`, from its
-    lengths) where more than one decode program (``group`` splits each) held them; nothing to do
-    where the decode kernel wrote the outputs (one split, or one program for the row)."""
-    row = tl.program_id(0)
+    """Program (row, head block, column block): merge the row's ``num_splits`` partial results, or
+    with ``INVARIANT`` its own split count's (:func:`_row_splits`, from its lengths); nothing to
+    do for one split: the decode kernel wrote the outputs."""
     count = num_splits
-    run = count > 1
     if INVARIANT:
-        b = row // s_q
+        b = tl.program_id(0) // s_q
         n, x_n = _counted(tl.load(len_ptr + b * len_sb, mask=HAS_LEN, other=0),
                           tl.load(x_len_ptr + b * x_len_sb, mask=HAS_X_LEN, other=0),
                           width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
         count = _row_splits(n, x_n, split_keys, BLOCK_N)
-        run = count > group
-    if run:
-        b = row // s_q
-        s = row - b * s_q
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = h < heads
-        d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-        lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
-        _merge(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_at, row, h, h_mask, d, heads,
-               num_splits, count, HAS_SINK, tl.program_id(2) == 0)
+    if count > 1:
+        _combine(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+                 s_q, heads, num_splits, count, HAS_SINK, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
