@@ -4,7 +4,7 @@ on CUDA.
     PYTHONPATH=. python benchmarks/bench_transformers.py [--prefill 4096 32768] [--batch 1 32]
         [--context 1024] [--json out.json]
     PYTHONPATH=. python benchmarks/bench_transformers.py --generate [--generate-prompts 4096 32768]
-        [--generate-batch 1 8] [--new 32] [--json out.json]
+        [--generate-batch 1 8] [--new 32] [--prefill-chunk N] [--json out.json]
 
 The model: transformers' ``DeepseekV4ForCausalLM`` with its default (DSV4-Flash) dimensions —
 hidden 4096, 64 heads of 512, q / o LoRA ranks 1024, 8 output groups, window 128, indexer 64 heads
@@ -31,7 +31,10 @@ of ``N`` tokens (no padding): theirs; ours through the same call after the switc
 Per case: ``prefill_ms`` (a call of one new token), ``ms_per_token`` (the rest of a ``--new``-token
 call per further token), ``peak_gib`` (the allocator's peak above the start of the call; ours
 without its caches, allocated up front: ``ours_cache_bytes_per_token``); each call after a
-warm-up call of the same shape. ``--device cpu --tiny``: the tiny test config, a smoke run.
+warm-up call of the same shape. ``--prefill-chunk N``: every way prefills in chunks of at most ``N``
+tokens (transformers' ``prefill_chunk_size``; ``chunk_tokens`` of ``generation.generate``), which
+bounds the prefill's activations (without it a prompt batch is one forward). ``--device cpu
+--tiny``: the tiny test config, a smoke run.
 
 Also a check that both run the same model: the prefill's last logits, ours against theirs, as a
 share of their largest magnitude (``last_logits_err_share``): both round at other places (theirs
@@ -157,9 +160,10 @@ def generate_timing(call, new: int) -> dict:
 
 
 @torch.no_grad()
-def generate_cases(config, cache_rows: int, prompt_lengths, batches, new: int) -> dict:
+def generate_cases(config, cache_rows: int, prompt_lengths, batches, new: int, chunk: int | None = None) -> dict:
     """transformers' generate() on their model, then on ours (eager, compiled forward), and ours
-    through dsv4_compile.generation.generate: ``{"N x B": {way: timing}}``."""
+    through dsv4_compile.generation.generate, prefilling in chunks of ``chunk`` tokens if given:
+    ``{"N x B": {way: timing}}``."""
     from dsv4_compile.generation import generate as our_generate
 
     vocab = config.vocab_size
@@ -168,9 +172,11 @@ def generate_cases(config, cache_rows: int, prompt_lengths, batches, new: int) -
              for n in prompt_lengths for b in batches}
     report = {f"{n}x{b}": {} for n, b in cases}
 
+    chunking = {"prefill_chunk_size": chunk} if chunk else {}
+
     def hf_generate(ids):
         return lambda tokens: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                             min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+                                             min_new_tokens=tokens, do_sample=False, pad_token_id=0, **chunking)
 
     for (n, b), ids in cases.items():
         report[f"{n}x{b}"]["transformers"] = generate_timing(hf_generate(ids), new)
@@ -193,7 +199,8 @@ def generate_cases(config, cache_rows: int, prompt_lengths, batches, new: int) -
     for (n, b), ids in cases.items():
         prompts = ids.tolist()
         report[f"{n}x{b}"]["ours_steps"] = generate_timing(
-            lambda tokens: (ours.reset_caches(), our_generate(ours, step, prompts, tokens - 1, DEV)), new)
+            lambda tokens: (ours.reset_caches(), our_generate(ours, step, prompts, tokens - 1, DEV, chunk_tokens=chunk)),
+            new)
         print("ours steps", n, b, report[f"{n}x{b}"]["ours_steps"], flush=True)
     return report
 
@@ -204,6 +211,7 @@ def main() -> dict:
     parser.add_argument("--generate-prompts", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--generate-batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new", type=int, default=32, help="new tokens a generate() call")
+    parser.add_argument("--prefill-chunk", type=int, help="generate(): prefill in chunks of at most this many tokens")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny test config (a smoke run)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 32768])
@@ -217,9 +225,9 @@ def main() -> dict:
     config = tiny_hf_config() if args.tiny else flash_slice()
     if args.generate:
         report = {"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "torch": torch.__version__,
-                  "transformers": transformers.__version__,
+                  "transformers": transformers.__version__, "prefill_chunk": args.prefill_chunk,
                   "generate": generate_cases(config, max(args.generate_batch), args.generate_prompts,
-                                             args.generate_batch, args.new)}
+                                             args.generate_batch, args.new, args.prefill_chunk)}
         print(json.dumps(report, indent=1))
         if args.json:
             with open(args.json, "w") as f:
