@@ -11,7 +11,7 @@ keys are no longer gathered during this one. The kernel source is rewritten from
 ``providers/triton/kernels/attention.py`` into a temporary module.
 
 Reported: the prefill as is and the variant (s_q 4096, s_kv 8192, 64 heads, top-k 640, a sink),
-CUDA-graph medians, TFLOP/s = 4 s_q H top-k 512 / t, and their largest output differences.
+CUDA-graph medians (``common.graph_timed``), TFLOP/s = 4 s_q H top-k 512 / t, and their largest output differences.
 
     python benchmarks/experiments/bench_prefill_p_through_memory.py
 """
@@ -24,9 +24,11 @@ import sys
 import tempfile
 
 import torch
-import triton.testing
 
 from dsv4_compile.providers.triton import attention as ta
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # benchmarks/: the module imported below
+from common import graph_timed  # noqa: E402
 
 LOOP = """        p, alpha, m, l = _online_softmax(scores, valid, m, l, scale_log2)
         acc = tl.dot(p, k, acc * alpha[:, None])
@@ -57,10 +59,6 @@ def variant_kernels(directory: str):
     return importlib.import_module("prefill_p_through_memory")
 
 
-def graph_us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-
-
 def main() -> None:
     torch.manual_seed(0)
     s_q, s_kv, topk, heads = 4096, 8192, 640, 64
@@ -73,13 +71,13 @@ def main() -> None:
         return ta.flash_mla_sparse_fwd(q, kv, idx, 512**-0.5, 512, sink, None)
 
     flops = 4 * s_q * heads * topk * 512
-    before, before_us = call(), graph_us(call)
+    before, before_us = call(), graph_timed(call, per_graph=2)
     original = ta._kernels
     with tempfile.TemporaryDirectory() as directory:
         variant = variant_kernels(directory)
         ta._kernels = lambda: variant
         try:
-            after, after_us = call(), graph_us(call)
+            after, after_us = call(), graph_timed(call, per_graph=2)
         finally:
             ta._kernels = original
     print(f"prefill as is {before_us:.1f} us ({flops / before_us / 1e6:.0f} TFLOP/s); "
