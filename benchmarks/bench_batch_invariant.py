@@ -1,12 +1,12 @@
 """The cost of the batch-invariant mode on CUDA: the Triton decode and prefill in the mode against
 the default, in one run.
 
-    PYTHONPATH=. python benchmarks/bench_batch_invariant.py [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_batch_invariant.py [--json out.json] [--rows T ...] [--split-keys N ...]
 
 Decode: the DSV4 step of ``common.decode_inputs`` (H = 64, window 128 keys + c4 512 keys, random
-lengths), T in {1, 8, 64, 256}; CUDA-graph replays (``common.graph_timed``, medians). ``ratio`` =
+lengths), T in ``--rows`` (default {1, 8, 64, 256}); CUDA-graph replays (``common.graph_timed``, medians). ``ratio`` =
 mode time / default time (target: <= 1.3 at every T). Also, per T, the mode with each split size of
-:data:`SPLIT_KEYS_SWEEP` (``attention.INVARIANT_SPLIT_KEYS``; ``*`` the default) and FlashMLA's
+``--split-keys`` (default :data:`SPLIT_KEYS_SWEEP`; ``attention.INVARIANT_SPLIT_KEYS``, ``*`` the default) and FlashMLA's
 default (the provider the default mode gets on SM90) for context. Prefill: s_q = 4096, s_kv = 8192,
 H = 64, top-k 640 (one kernel in both modes: the ratio shows the noise). Each decode row is also
 checked: its bits alone equal its bits in the batch, in the mode.
@@ -50,17 +50,19 @@ def rows_alone_equal(args) -> int:
 def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--split-keys", type=int, nargs="+", default=list(SPLIT_KEYS_SWEEP))
     args = parser.parse_args()
     torch.manual_seed(0)
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "decode": {}, "prefill": {}}
     has_flashmla = "flashmla" in dispatch.registered_providers("cuda") and \
         d4.providers("cuda")["flash_mla_with_kvcache"] == "flashmla"
-    for rows in ROWS:
+    for rows in args.rows:
         inputs = decode_inputs(rows)
         default = graph_timed(lambda: decode(inputs, False))
         invariant = graph_timed(lambda: decode(inputs, True))
         sweep = {}
-        for keys in SPLIT_KEYS_SWEEP:
+        for keys in args.split_keys:
             before, ta.INVARIANT_SPLIT_KEYS = ta.INVARIANT_SPLIT_KEYS, keys
             try:
                 sweep[keys] = graph_timed(lambda: decode(inputs, True))

@@ -40,9 +40,10 @@ import triton_offline  # noqa: E402
 
 
 def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int,
-             formats: tuple[str, str] = ("v4", "v4")) -> list:
+             formats: tuple[str, str] = ("v4", "v4"), invariant: bool = False) -> list:
     """``(kernel, args, kwargs)`` of each launch of ``case`` on CPU tensors, as a GPU of
-    ``capability`` with ``sms`` SMs makes them (the decode's main and extra caches in ``formats``)."""
+    ``capability`` with ``sms`` SMs makes them (the decode's main and extra caches in ``formats``;
+    the decode in the batch-invariant mode if ``invariant``)."""
     bf16 = dict(dtype=torch.bfloat16)
     triton_indexer._kernels()  # import the kernels (and Triton) before recording
     with triton_offline.recorded(capability, sms) as recorded:
@@ -55,7 +56,7 @@ def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms:
             length = torch.full((rows,), 100, dtype=torch.int32)
             triton_attention.flash_mla_with_kvcache(q, cache, 256, idx, length, torch.zeros(64), extra, 64, x_idx,
                                                     length * 4, None, None, 0.05, 512,
-                                                    *map(layout.cache_format, formats))
+                                                    *map(layout.cache_format, formats), invariant)
         elif case == "prefill":
             kv = torch.randn(1024, 1, 512, **bf16)
             idx = torch.randint(0, 1024, (rows, 1, 640), dtype=torch.int32)
@@ -100,10 +101,11 @@ def main() -> None:
     parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (132: H100 / H200 SXM)")
     parser.add_argument("--formats", nargs=2, default=["v4", "v4"], choices=list(layout.FORMATS),
                         help="decode: the main and the extra cache's formats")
+    parser.add_argument("--invariant", action="store_true", help="decode: in the batch-invariant mode")
     parser.add_argument("--top", type=int, default=8, help="opcodes listed per region")
     args = parser.parse_args()
     for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10), args.sms,
-                                         tuple(args.formats)):
+                                         tuple(args.formats), args.invariant):
         program = triton_offline.compile_launch(kernel, call, kwargs, args.arch)
         registers, stack = resources(program)
         found = regions(cuobjdump(program, "-sass"))
