@@ -618,21 +618,6 @@ def test_decode_splits_fill_the_device_once(monkeypatch):
     assert ta.decode_splits(cuda, 1, 0, 32) == 1
 
 
-def test_invariant_group_keeps_about_one_program_per_sm(monkeypatch):
-    """In the batch-invariant mode (132 SMs, rows of at most 5 splits): a split a program while the
-    batch leaves room, whole rows once the rows fill the device, groups between; a symbolic program
-    count stays symbolic (no guard)."""
-    monkeypatch.setattr(triton_common, "compute_units", lambda device: 132)
-    cuda = torch.device("cuda", 0)
-    groups = {programs: ta.invariant_group(cuda, programs, 5) for programs in (1, 8, 26, 27, 64, 66, 67, 132, 256)}
-    assert groups == {1: 1, 8: 1, 26: 1, 27: 2, 64: 3, 66: 3, 67: 5, 132: 5, 256: 5}
-    assert ta.invariant_group(cuda, 1, 1) == 1
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    rows = ShapeEnv().create_unbacked_symint()
-    assert isinstance(ta.invariant_group(cuda, rows, 5), torch.SymInt)
-
-
 @pytest.mark.parametrize("rows, stages", [(1, (1, 1)), (8, (1, 1)), (64, (None, 1)), (256, (None, 1))])
 def test_decode_loop_stages(rows, stages):
     """As launched for an H200 (132 SMs): both key loops at one stage where every split holds one
@@ -783,7 +768,7 @@ def test_functionalization_traces_the_triton_launches(monkeypatch, rows, launche
         names = []
         for node in nodes:  # they write only the outputs and workspace (no copy of q or a cache)
             assert set(node.kwargs["tensors_to_clone"]) <= {
-                "out_ptr", "lse_ptr", "max_logits_ptr", "part_ptr", "part_lse_ptr", "part_total_ptr"}, node.kwargs["tensors_to_clone"]
+                "out_ptr", "lse_ptr", "max_logits_ptr", "part_ptr", "part_lse_ptr"}, node.kwargs["tensors_to_clone"]
             kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
             while hasattr(kernel, "fn"):  # Autotuner -> JITFunction -> function
                 kernel = kernel.fn

@@ -38,13 +38,10 @@ three fp8, the last bf16), each multiplied into the scores (``q`` in the same pi
 its piece of the output, never concatenated: a ``[BLOCK_N, 512]`` tile assembled in registers
 spilled on SM90. Softmax is online, fp32, base 2; the weights are rounded
 to bf16 for ``P.V`` (as FlashMLA does; tolerances.DEVICE). With one split the program writes
-``out``/``lse`` itself; with several, the row's results are folded in split order (``lse = log
-sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i * sigmoid(lse - sink)`` as a running max, a
-rescale and one fused multiply-add per value): the program that starts the row folds the splits
-it holds, keeping the running state in an fp32 workspace ``[rows, slots, H, 512]``; every other
-program writes each of its splits' normalised output and base-2 log-sum-exp there, and a combine
-kernel folds them into the state and applies the sink. An empty row gives ``out = 0``, ``lse =
-+inf``.
+``out``/``lse`` itself; with several, each writes its normalised partial output and base-2
+log-sum-exp to an fp32 workspace ``[rows, splits, H, 512]`` and a combine kernel merges them and
+applies the sink: ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i *
+sigmoid(lse - sink)``; an empty row gives ``out = 0``, ``lse = +inf``.
 
 **Prefill** (over a bf16 workspace ``kv [s_kv, 1, d_qk]``, ``d_qk`` 512, or 576 for the V3.2 shape
 whose last 64 dims enter the scores only): one program per (query, head block),
@@ -260,17 +257,6 @@ def invariant_splits(config: Config, width: int, extra_width: int) -> tuple[int,
     return max(1, -(-blocks // per_split)), per_split * block
 
 
-def invariant_group(device: torch.device, programs, splits: int):
-    """Splits a decode program takes in the batch-invariant mode, for a launch of ``programs`` (rows
-    x head blocks) over rows of at most ``splits`` splits: the launch keeps about one program per SM
-    (:func:`decode_splits`' count), each taking whole splits in turn; a program that starts a row
-    folds the splits it holds itself, so a batch whose rows fill the device has one program per
-    row and no combine. The fold is the same whatever the group (no bit depends on it); only the
-    time does. A function of shapes only; guard-free for symbolic ``programs``."""
-    per_row = torch.sym_max(1, torch.sym_min(splits, triton_common.compute_units(device) // torch.sym_max(programs, 1)))
-    return (splits + per_row - 1) // per_row
-
-
 def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> tuple:
     """``(STAGES, X_STAGES)``: the pipeline stages of the decode's main- and extra-cache loops
     (None: the launch's ``num_stages``), for ``splits`` of the virtual key list: ``width`` main
@@ -286,17 +272,17 @@ def decode_loop_stages(config: Config, splits, width: int, extra_width: int) -> 
     return None, config.extra_stages
 
 
-def decode_order(config: Config, rows, wave: int, programs, width: int, extra_width: int,
+def decode_order(config: Config, rows, wave: int, splits, width: int, extra_width: int,
                  has_lengths: bool) -> tuple:
     """``(ORDER, ORDER_ROWS, ORDER_BINS)`` of a decode launch: whether its programs take the rows
     longest first (most key blocks, by the lengths; :func:`_longest_first`). That pays where rows of
-    one program each (``programs`` per row) fill more than one ``wave`` of programs: the hardware starts programs in order, so
+    one split each fill more than one ``wave`` of programs: the hardware starts programs in order, so
     the longest rows start first and short ones fill the last wave (H200, T = 256 rows of 5-10 key
     blocks in random order: the same launch took 0.90x the time with the rows sorted longest first).
     Only with lengths (else all rows are alike) and up to :data:`ORDER_MAX_ROWS` rows. ``ORDER`` 1:
-    ordered; 0: not; 2: decided in the kernel (a symbolic row or program count: no guard)."""
-    static = isinstance(rows, int) and isinstance(programs, int)
-    if not has_lengths or static and not (programs == 1 and wave < rows <= ORDER_MAX_ROWS):
+    ordered; 0: not; 2: decided in the kernel (a symbolic row or split count: no guard)."""
+    static = isinstance(rows, int) and isinstance(splits, int)
+    if not has_lengths or static and not (splits == 1 and wave < rows <= ORDER_MAX_ROWS):
         return 0, 1, 1
     blocks = -(-int(width) // config.block_n) + -(-int(extra_width) // config.block_n)  # widths specialised
     bins = 1 << blocks.bit_length()  # a power of two > blocks
@@ -347,16 +333,14 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     has_extra = extra_k_cache is not None
     width, extra_width = indices.shape[-1], extra_indices.shape[-1] if has_extra else 0
     config, block_h, splits = decode_plan(q.device, rows, heads, width + extra_width)
-    head_blocks = -(-heads // block_h)
-    split_keys, group = 0, 1  # a split a program, of num_splits equal ones
+    split_keys = 0  # unused outside the batch-invariant mode
     if batch_invariant:
         splits, split_keys = invariant_splits(config, width, extra_width)
-        group = invariant_group(q.device, rows * head_blocks, splits)
-    programs = (splits + group - 1) // group  # per row
     stages, x_stages = decode_loop_stages(config, splits, width, extra_width)
+    head_blocks = -(-heads // block_h)
     wave = triton_common.compute_units(q.device) // max(head_blocks, 1)  # rows of one launch's first wave
     has_len, has_x_len = topk_length is not None, has_extra and extra_topk_length is not None
-    order = decode_order(config, rows, wave, programs, width, extra_width, has_len or has_x_len)
+    order = decode_order(config, rows, wave, splits, width, extra_width, has_len or has_x_len)
     partial = _partial_mode(splits)
     split = partial > 0
     shift, pow2 = _page_shift(page_size)
@@ -370,30 +354,28 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     x_len = extra_topk_length if has_extra and extra_topk_length is not None else indices
     length = topk_length if topk_length is not None else indices
     sink = attn_sink if attn_sink is not None else q
-    if split:  # per row: program 0's state, then the splits its program 0 does not hold
-        slots = splits - group + 1
-        part = q.new_empty(rows, slots, heads, layout.HEAD_DIM, dtype=torch.float32)
-        part_lse = q.new_empty(rows, slots, heads, dtype=torch.float32)
-        part_total = q.new_empty(rows, heads, dtype=torch.float32)
+    if split:
+        part = q.new_empty(rows, splits, heads, layout.HEAD_DIM, dtype=torch.float32)
+        part_lse = q.new_empty(rows, splits, heads, dtype=torch.float32)
     else:  # never written (PARTIAL=0): q stands in
-        part = part_lse = part_total = q
-    kernels(_kernels().decode_kernel)[(rows, head_blocks, programs)](
+        part = part_lse = q
+    kernels(_kernels().decode_kernel)[(rows, head_blocks, splits)](
         q, *q.stride(),
         k_cache, page_size, shift, k_cache.stride(0), indices, *indices.stride(), indices.shape[-1],
         length, length.stride(0),
         *x, x_len, x_len.stride(0),
         sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1), part, part_lse,
-        part_total, rows, s_q, heads, splits, split_keys, group, wave, softmax_scale * LOG2E,
+        rows, s_q, heads, splits, split_keys, wave, softmax_scale * LOG2E,
         HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len, HAS_SINK=attn_sink is not None,
         PARTIAL=partial, INVARIANT=batch_invariant, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _kernels().decode_kernel),
         STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split and not (isinstance(programs, int) and programs == 1):  # else program 0 held every split
+    if split:
         kernels(_kernels().combine_kernel)[(rows, -(-heads // COMBINE_BLOCK_H), layout.HEAD_DIM // COMBINE_BLOCK_D)](
-            part, part_lse, part_total, sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1),
-            s_q, heads, splits, group, length, length.stride(0), x_len, x_len.stride(0), indices.shape[-1], x[-1],
+            part, part_lse, sink, sink.stride(0), out, lse, lse.stride(0), lse.stride(2), lse.stride(1),
+            s_q, heads, splits, length, length.stride(0), x_len, x_len.stride(0), indices.shape[-1], x[-1],
             split_keys, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
             INVARIANT=batch_invariant, HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len,
             BLOCK_N=config.block_n, num_warps=4,

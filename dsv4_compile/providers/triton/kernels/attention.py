@@ -288,7 +288,7 @@ def decode_kernel(
     x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_ptr, x_idx_sb, x_idx_ss, x_idx_sj, x_width,
     x_len_ptr, x_len_sb,
     sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh, part_ptr, part_lse_ptr,
-    part_total_ptr, rows, s_q, heads, num_splits, split_keys, group, wave, scale_log2,
+    rows, s_q, heads, num_splits, split_keys, wave, scale_log2,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -296,36 +296,28 @@ def decode_kernel(
     X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
     X_STAGES: tl.constexpr, ORDER: tl.constexpr, ORDER_ROWS: tl.constexpr, ORDER_BINS: tl.constexpr,
 ):
-    """Program (row, head block, j): the row's splits ``j * group ..`` (``group`` of them, fewer
-    at the row's end; ``group`` is 1 outside the batch-invariant mode) one after the other, each from
-    an empty softmax state. A row's splits: ``num_splits`` equal chunks of whole key blocks of its
-    virtual list, or with ``INVARIANT`` (the batch-invariant mode) ``split_keys`` entries each, as
-    many as its lengths need (:func:`_row_splits`), whatever ``num_splits`` (the launch's, for the
-    widest row); programs past a row's splits return at once.
-    A row of one split: its program writes the final outputs. Otherwise the row's outputs are the
-    fold of its splits' results in split order (:func:`_fold`): program 0 folds its own splits
-    (the running state kept in the workspace's slot 0 between splits) and writes the final outputs
-    if it holds them all, else its state (slot 0 and ``part_total``); every other program writes
-    each of its splits' normalised output and base-2 lse (split ``i`` in slot ``i - group + 1`` of
-    the row's ``num_splits - group + 1``), and the combine kernel folds them into program 0's state. The same fold in the same order whatever ``group``: how
-    many splits a program takes changes no bit of a row.
-    ``PARTIAL`` 1: the launch has several splits per row; 0: one (the final outputs, no fold);
+    """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
+    base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
     2: decide at run time (``num_splits > 1``), for a split count that is symbolic when traced.
+    ``INVARIANT`` (the batch-invariant mode): a row's splits are ``split_keys`` entries each of its
+    virtual list, as many as its lengths need (:func:`_row_splits`), whatever ``num_splits`` (the
+    launch's, for the widest row); a row of one split writes the final outputs, a longer one its
+    partial results, and the programs past a row's splits return at once.
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
     ``HW``: fp8 by conversion instructions (:func:`.common.hardware_conversions`).
     ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
-    2: so if at run time one program per row leaves more rows than one ``wave`` of programs."""
+    2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
     # constexpr for ORDER 0 / 1 (the `or` / `and` short-circuit on them), a run-time test for 2
-    if ORDER == 1 or (ORDER == 2 and ((tl.num_programs(2) == 1) & (rows > wave) & (rows <= ORDER_ROWS))):
+    if ORDER == 1 or (ORDER == 2 and ((num_splits == 1) & (rows > wave) & (rows <= ORDER_ROWS))):
         r = tl.arange(0, ORDER_ROWS)
         live = r < rows
         n_r, x_n_r = _counted(tl.load(len_ptr + (r // s_q) * len_sb, mask=live & HAS_LEN, other=0),
                               tl.load(x_len_ptr + (r // s_q) * x_len_sb, mask=live & HAS_X_LEN, other=0),
                               width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
         row = _longest_first(row, tl.cdiv(n_r, BLOCK_N) + tl.cdiv(x_n_r, BLOCK_N), live, ORDER_BINS)
-    first = tl.program_id(2) * group
+    split = tl.program_id(2)
     b = row // s_q
     s = row - b * s_q
     # the row's counted entries: [0, n) of the main indices, then [0, x_n) of the extra ones
@@ -338,11 +330,13 @@ def decode_kernel(
     if INVARIANT:  # fixed splits of the row's own list
         chunk = split_keys
         row_splits = _row_splits(n, x_n, split_keys, BLOCK_N)
-        if first >= row_splits:
+        if split >= row_splits:
             return
     else:  # num_splits equal splits of whole key blocks
         chunk = tl.cdiv(tl.cdiv(n_pad + x_n, num_splits), BLOCK_N) * BLOCK_N
         row_splits = num_splits
+    v0 = split * chunk
+    v1 = tl.minimum(v0 + chunk, n_pad + x_n)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < heads
     q_row = q_ptr + b.to(tl.int64) * q_sb + s.to(tl.int64) * q_ss + h[:, None] * q_sh
@@ -350,96 +344,42 @@ def decode_kernel(
     q1 = tl.load(q_row + (tl.arange(0, _C2 - _C1) + _C1)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
     q2 = tl.load(q_row + (tl.arange(0, _C3 - _C2) + _C2)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
     q3 = tl.load(q_row + (tl.arange(0, _D - _C3) + _C3)[None, :] * q_sd, mask=h_mask[:, None], other=0.0)
+
+    acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_H, _C3 - _C2), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_H, _D - _C3), dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     idx_row = idx_ptr + b.to(tl.int64) * idx_sb + s.to(tl.int64) * idx_ss
     x_idx_row = x_idx_ptr + b.to(tl.int64) * x_idx_sb + s.to(tl.int64) * x_idx_ss
+    # the split's part of the main entries, then of the extra ones (each cache has its own format)
+    acc0, acc1, acc2, acc3, m, l = _attend(
+        acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
+        cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
+        FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW, STAGES,
+    )
+    if HAS_EXTRA:
+        acc0, acc1, acc2, acc3, m, l = _attend(
+            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
+            x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
+            X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW, X_STAGES,
+        )
+
+    lse2, inv_l = _lse2_and_inverse(m, l)
+    part_at = (row.to(tl.int64) * num_splits + split) * heads + h
     out_at = row.to(tl.int64) * heads + h
     lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
-    # the workspace's slots: 0 program 0's running state, then splits group .. num_splits - 1
-    state_at = row.to(tl.int64) * (num_splits - group + 1) * heads + h
+    # several splits: the split's normalised output acc / l and base-2 lse; one: the final outputs
     partial = PARTIAL == 1
     if PARTIAL == 2 or INVARIANT:
         partial = row_splits > 1
-    count = 1  # a constant one-trip loop: no loop
-    if INVARIANT:
-        count = tl.minimum(group, row_splits - first)
-    ref = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
-    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for i in tl.range(count, disable_licm=True):  # hoisted, the store addresses were spilled
-        split = first + i
-        v0 = split * chunk
-        v1 = tl.minimum(v0 + chunk, n_pad + x_n)
-        acc0 = tl.zeros((BLOCK_H, _C1 - _C0), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_H, _C2 - _C1), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_H, _C3 - _C2), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_H, _D - _C3), dtype=tl.float32)
-        m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        # the split's part of the main entries, then of the extra ones (each cache has its own format)
-        acc0, acc1, acc2, acc3, m, l = _attend(
-            acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, v0, tl.minimum(v1, n), scale_log2,
-            cache_ptr, page_size, page_shift, page_stride, idx_row, idx_sj,
-            FMT, DATA_BYTES, SCALE_BYTES, INTERLEAVED, POW2, BLOCK_N, HW, STAGES,
-        )
-        if HAS_EXTRA:
-            acc0, acc1, acc2, acc3, m, l = _attend(
-                acc0, acc1, acc2, acc3, m, l, q0, q1, q2, q3, tl.maximum(v0, n_pad) - n_pad, v1 - n_pad, scale_log2,
-                x_cache_ptr, x_page_size, x_page_shift, x_page_stride, x_idx_row, x_idx_sj,
-                X_FMT, X_DATA_BYTES, X_SCALE_BYTES, X_INTERLEAVED, X_POW2, BLOCK_N, HW, X_STAGES,
-            )
-        lse2, inv_l = _lse2_and_inverse(m, l)
-        if not partial:  # the row's one split: the final outputs
-            factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
-            _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
-        elif first > 0:  # the split's normalised output acc / l and base-2 lse, in its slot
-            part_at = state_at + (split - group + 1) * heads
-            tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
-            _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
-        else:  # program 0: fold the split into the running state (slot 0)
-            ref, a, w, total = _fold(ref, total, lse2)
-            held = h_mask & (i > 0)  # the state so far (none before the first split)
-            tl.debug_barrier()  # the previous split's state written by every thread before any reads it
-            acc0 = _fold_columns(part_ptr, state_at, _C0, held, a, w, acc0 * inv_l[:, None])
-            acc1 = _fold_columns(part_ptr, state_at, _C1, held, a, w, acc1 * inv_l[:, None])
-            acc2 = _fold_columns(part_ptr, state_at, _C2, held, a, w, acc2 * inv_l[:, None])
-            acc3 = _fold_columns(part_ptr, state_at, _C3, held, a, w, acc3 * inv_l[:, None])
-            if split == row_splits - 1:  # the row's last split: the final outputs
-                lse2, inv_total = _lse2_and_inverse(ref, total)
-                factor = _final_factor(lse_at, lse2, inv_total, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
-                _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
-            else:  # the state, for the next split or the combine kernel
-                _store_pieces(part_ptr, state_at, h_mask, acc0, acc1, acc2, acc3, tl.full((BLOCK_H,), 1.0, tl.float32))
-                tl.store(part_lse_ptr + state_at, ref, mask=h_mask)
-                tl.store(part_total_ptr + out_at, total, mask=h_mask)
-
-
-@triton.jit
-def _fold(ref, total, lse2):
-    """One step of the fold of a row's split results, per head: the state (``ref``, ``total``;
-    output ``acc``) takes a split of base-2 lse ``lse2``: returns the new ``ref`` (the running max),
-    the factors ``a`` (of what was folded) and ``w`` (of the split's normalised output) and the new
-    ``total``; the new output is ``fma(acc, a, w * o)`` (:func:`_fold_columns`). The decode kernel
-    and the combine kernel fold with this code, so a row's bits do not depend on which folds."""
-    new = tl.maximum(ref, lse2)
-    at = tl.where(new == -float("inf"), 0.0, new)  # nothing counted yet: keep everything 0
-    a = tl.exp2(ref - at)
-    w = tl.exp2(lse2 - at)
-    return new, a, w, tl.fma(total, a, w)
-
-
-@triton.jit
-def _fold_columns(ptr, at, OFF: tl.constexpr, held, a, w, o):
-    """The folded output of columns ``OFF ..`` (as many as ``o [BH, width]``, the split's normalised
-    output): ``fma(acc, a, w * o)``, ``acc`` read at flat (row, head) ``at`` of the 512-wide rows at
-    ``ptr`` where ``held``, 0 elsewhere."""
-    d = tl.arange(0, o.shape[1]) + OFF
-    return _fold_output(tl.load(ptr + at[:, None] * _D + d[None, :], mask=held[:, None], other=0.0), a, w, o)
-
-
-@triton.jit
-def _fold_output(acc, a, w, o):
-    """:func:`_fold`'s new output from the state's ``acc [BH, width]`` and the split's normalised
-    ``o``: one rounding for ``w * o``, one for the fused multiply-add."""
-    return tl.fma(acc, a[:, None], w[:, None] * o)
+    if partial:
+        tl.store(part_lse_ptr + part_at, lse2, mask=h_mask)
+        _store_pieces(part_ptr, part_at, h_mask, acc0, acc1, acc2, acc3, inv_l)
+    else:
+        factor = _final_factor(lse_at, lse2, inv_l, sink_ptr, sink_stride, h, h_mask, HAS_SINK, h_mask)
+        _store_pieces(out_ptr, out_at, h_mask, acc0, acc1, acc2, acc3, factor)
 
 
 @triton.jit
@@ -451,47 +391,57 @@ def _row_splits(n, x_n, split_keys, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _combine(
+    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+    s_q, heads, num_splits, count, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Columns ``BLOCK_D * program_id(2) ..`` of one row's head block, and its lse, from its first
+    ``count`` of ``num_splits`` partial results, in split order:
+    ``lse = log sum_i e^{lse_i}``, ``out = sum_i e^{lse_i - lse} o_i * sigmoid(lse - sink)``."""
+    row = tl.program_id(0)
+    b = row // s_q
+    s = row - b * s_q
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < heads
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    first = row.to(tl.int64) * num_splits * heads + h  # split 0's entry of each head
+    top = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+    for i in range(count):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")))
+    ref = tl.where(top == -float("inf"), 0.0, top)
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for i in range(count):
+        w = tl.exp2(tl.load(part_lse_ptr + first + i * heads, mask=h_mask, other=-float("inf")) - ref)
+        o = tl.load(part_ptr + (first + i * heads)[:, None] * _D + d[None, :], mask=h_mask[:, None], other=0.0)
+        total += w
+        acc += w[:, None] * o
+    lse2, inv_total = _lse2_and_inverse(ref, total)
+    lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
+    _store_final(out_ptr, lse_at, row.to(tl.int64) * heads + h, d, h, h_mask, acc, lse2, inv_total,
+                 sink_ptr, sink_stride, HAS_SINK, h_mask & (tl.program_id(2) == 0))
+
+
+@triton.jit
 def combine_kernel(
-    part_ptr, part_lse_ptr, part_total_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
-    s_q, heads, num_splits, group, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys,
+    part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+    s_q, heads, num_splits, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys,
     HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVARIANT: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (row, head block, column block): where the decode kernel's program 0 did not hold
-    all of the row's splits (``num_splits``, or with ``INVARIANT`` its own count,
-    :func:`_row_splits`), fold the results of splits ``group ..`` into its state (:func:`_fold`, in
-    split order) and write the final outputs: ``lse = log sum_i e^{lse_i}``, ``out = sum_i
-    e^{lse_i - lse} o_i * sigmoid(lse - sink)``."""
-    row = tl.program_id(0)
+    """Program (row, head block, column block): merge the row's ``num_splits`` partial results, or
+    with ``INVARIANT`` its own split count's (:func:`_row_splits`, from its lengths); nothing to
+    do for one split: the decode kernel wrote the outputs."""
     count = num_splits
     if INVARIANT:
-        b = row // s_q
+        b = tl.program_id(0) // s_q
         n, x_n = _counted(tl.load(len_ptr + b * len_sb, mask=HAS_LEN, other=0),
                           tl.load(x_len_ptr + b * x_len_sb, mask=HAS_X_LEN, other=0),
                           width, x_width, HAS_LEN, HAS_EXTRA, HAS_X_LEN)
         count = _row_splits(n, x_n, split_keys, BLOCK_N)
-    if count > group:
-        b = row // s_q
-        s = row - b * s_q
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = h < heads
-        d0 = tl.program_id(2) * BLOCK_D
-        state_at = row.to(tl.int64) * (num_splits - group + 1) * heads + h
-        out_at = row.to(tl.int64) * heads + h
-        ref = tl.load(part_lse_ptr + state_at, mask=h_mask, other=-float("inf"))
-        total = tl.load(part_total_ptr + out_at, mask=h_mask, other=0.0)
-        acc = tl.load(part_ptr + state_at[:, None] * _D + (d0 + tl.arange(0, BLOCK_D))[None, :],
-                      mask=h_mask[:, None], other=0.0)
-        for i in range(group, count):
-            part_at = state_at + (i - group + 1) * heads
-            ref, a, w, total = _fold(ref, total, tl.load(part_lse_ptr + part_at, mask=h_mask, other=-float("inf")))
-            o = tl.load(part_ptr + part_at[:, None] * _D + (d0 + tl.arange(0, BLOCK_D))[None, :],
-                        mask=h_mask[:, None], other=0.0)
-            acc = _fold_output(acc, a, w, o)
-        lse2, inv_total = _lse2_and_inverse(ref, total)
-        lse_at = lse_ptr + b.to(tl.int64) * lse_sb + s.to(tl.int64) * lse_ss + h * lse_sh
-        _store_final(out_ptr, lse_at, out_at, d0 + tl.arange(0, BLOCK_D), h, h_mask, acc, lse2, inv_total,
-                     sink_ptr, sink_stride, HAS_SINK, h_mask & (tl.program_id(2) == 0))
+    if count > 1:
+        _combine(part_ptr, part_lse_ptr, sink_ptr, sink_stride, out_ptr, lse_ptr, lse_sb, lse_ss, lse_sh,
+                 s_q, heads, num_splits, count, HAS_SINK, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
