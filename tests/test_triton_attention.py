@@ -661,6 +661,21 @@ def test_decode_order(rows, lengths, order):
         assert (kwargs["ORDER_ROWS"], kwargs["ORDER_BINS"]) == (256, 16)
 
 
+@pytest.mark.parametrize("capability, pdl", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False)])
+def test_eager_decode_launches_are_programmatic_on_sm90_and_later(capability, pdl):
+    """Eager decode and combine launches on SM90+ carry ``launch_pdl`` and wait for their
+    predecessor in-kernel (``PDL``); elsewhere neither (``griddepcontrol`` needs SM90)."""
+    ta._kernels()
+    cache, extra = layout.alloc_cache(4, 256, "cpu"), layout.alloc_cache(16, 64, "cpu")
+    q = torch.randn(2, 1, 64, 512, dtype=torch.bfloat16)
+    idx, x_idx = torch.zeros(2, 1, 128, dtype=torch.int32), torch.zeros(2, 1, 512, dtype=torch.int32)
+    with triton_offline.recorded(capability, 132) as launches:
+        triton_decode(q, cache, 256, idx, None, None, extra, 64, x_idx, None, None, None, SCALE, 512)
+    assert [k.fn.__name__ for k, _, _ in launches] == ["decode_kernel", "combine_kernel"]
+    for _, _, kwargs in launches:
+        assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
+
+
 def test_decode_launch_is_guard_free_for_symbolic_rows():
     """Traced with a symbolic row count (dynamic shapes), the launcher installs no guard: the
     split count stays symbolic and both kernels are launched, deciding in-kernel (PARTIAL=2)."""

@@ -24,7 +24,7 @@ POINTER_TYPES = {
     torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1",
 }
 #: launch keywords that are compile options, not kernel parameters
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 #: The most shared memory one program may take, by compute capability (bytes; CUDA's opt-in limit
 #: per block, as ``shared_memory_per_block_optin`` reports it)
 SHARED_PER_BLOCK = {

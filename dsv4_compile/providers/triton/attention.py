@@ -169,6 +169,10 @@ def invariant_split_keys_from_environment() -> int:
 #: at each size). Read once, when the package is imported (this module registers the provider then):
 #: a later change would leave compiled programs with the old size.
 INVARIANT_SPLIT_KEYS = invariant_split_keys_from_environment()
+#: Eager decode launches are programmatic dependent launches (``griddepcontrol``) from this NVIDIA
+#: compute capability on: the combine kernel is scheduled while the decode kernel runs, and the
+#: decode kernel while its predecessor does, each waiting for it before touching memory.
+PDL_CAPABILITY = (9, 0)
 #: Most query rows a decode launch orders longest first (:func:`decode_order`): every program
 #: ranks all rows' lengths, O(rows) work each.
 ORDER_MAX_ROWS = 4096
@@ -344,6 +348,10 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     partial = _partial_mode(splits)
     split = partial > 0
     shift, pow2 = _page_shift(page_size)
+    # eager launches on SM90+ are programmatic dependent launches (Inductor's launches of traced
+    # kernels take no launch attribute): a kernel is scheduled while its predecessor runs
+    pdl = kernels is _eager and triton_common.nvidia_compiled(q.device, _kernels().decode_kernel, PDL_CAPABILITY)
+    launch = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
     if has_extra:
         x_shift, x_pow2 = _page_shift(extra_page_size)
         x = (extra_k_cache, extra_page_size, x_shift, extra_k_cache.stride(0), extra_indices,
@@ -370,7 +378,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
         PARTIAL=partial, INVARIANT=batch_invariant, BLOCK_H=block_h, BLOCK_N=config.block_n, **_format_kwargs(kv_format, extra_kv_format),
         POW2=pow2, X_POW2=x_pow2, HW=triton_common.hardware_conversions(q.device, _kernels().decode_kernel),
         STAGES=stages, X_STAGES=x_stages, ORDER=order[0], ORDER_ROWS=order[1], ORDER_BINS=order[2],
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if split:
         kernels(_kernels().combine_kernel)[(rows, -(-heads // COMBINE_BLOCK_H), layout.HEAD_DIM // COMBINE_BLOCK_D)](
@@ -378,7 +386,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
             s_q, heads, splits, length, length.stride(0), x_len, x_len.stride(0), indices.shape[-1], x[-1],
             split_keys, HAS_SINK=attn_sink is not None, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D,
             INVARIANT=batch_invariant, HAS_LEN=has_len, HAS_EXTRA=has_extra, HAS_X_LEN=has_x_len,
-            BLOCK_N=config.block_n, num_warps=4,
+            BLOCK_N=config.block_n, num_warps=4, **launch,
         )
     return out, lse
 

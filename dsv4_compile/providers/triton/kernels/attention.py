@@ -9,6 +9,11 @@ import triton.language as tl
 
 from .... import layout
 
+try:  # griddepcontrol (SM90+), traced only where a launch asks for it (``PDL``)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton build without NVIDIA's extras
+    gdc_launch_dependents = gdc_wait = None
+
 #: Triton reads module globals in a kernel as constexprs only.
 _NOPE, _ROPE, _D, _TILE = (tl.constexpr(v) for v in (layout.NOPE_DIM, layout.ROPE_DIM, layout.HEAD_DIM, layout.TILE))
 _DATA_BYTES, _SCALE_BYTES = tl.constexpr(layout.DATA_BYTES), tl.constexpr(layout.SCALE_BYTES)
@@ -295,6 +300,7 @@ def decode_kernel(
     POW2: tl.constexpr, X_FMT: tl.constexpr, X_DATA_BYTES: tl.constexpr, X_SCALE_BYTES: tl.constexpr,
     X_INTERLEAVED: tl.constexpr, X_POW2: tl.constexpr, HW: tl.constexpr, STAGES: tl.constexpr,
     X_STAGES: tl.constexpr, ORDER: tl.constexpr, ORDER_ROWS: tl.constexpr, ORDER_BINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, head block, split). ``PARTIAL`` 1: write the normalised partial output and
     base-2 lse to the workspace ``[rows, num_splits, heads, (512)]``; 0: the final outputs;
@@ -306,7 +312,12 @@ def decode_kernel(
     ``POW2`` / ``X_POW2``: the main / extra page size is a power of two (``2^page_shift``);
     ``HW``: fp8 by conversion instructions (:func:`.common.hardware_conversions`).
     ``ORDER`` (:func:`decode_order`) 1: program ``i`` takes the row of rank ``i`` longest first;
-    2: so if at run time one split per row leaves more rows than one ``wave`` of programs."""
+    2: so if at run time one split per row leaves more rows than one ``wave`` of programs.
+    ``PDL`` (launched as a programmatic dependent launch): wait for the previous kernel before any
+    memory access, then let the next one (the combine) be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor's launcher passes Python floats as fp64
     row = tl.program_id(0)
     # constexpr for ORDER 0 / 1 (the `or` / `and` short-circuit on them), a run-time test for 2
@@ -428,10 +439,15 @@ def combine_kernel(
     s_q, heads, num_splits, len_ptr, len_sb, x_len_ptr, x_len_sb, width, x_width, split_keys,
     HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVARIANT: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_X_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, head block, column block): merge the row's ``num_splits`` partial results, or
     with ``INVARIANT`` its own split count's (:func:`_row_splits`, from its lengths); nothing to
-    do for one split: the decode kernel wrote the outputs."""
+    do for one split: the decode kernel wrote the outputs. ``PDL``: as the decode kernel's (the
+    programs are scheduled while the decode runs and wait for it here)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     count = num_splits
     if INVARIANT:
         b = tl.program_id(0) // s_q
