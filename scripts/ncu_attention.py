@@ -9,12 +9,17 @@ after a warm-up), in that order, so that
         --section ComputeWorkloadAnalysis -o attn python3 scripts/ncu_attention.py [--rows T ...]
     ncu --import attn.ncu-rep --csv --page raw > attn.csv
 
-profiles exactly them; the launch order names each kernel's case (``--order`` prints it).
+profiles exactly them; the launch order names each kernel's case, and
+
+    python3 scripts/ncu_attention.py --table attn.csv [--rows T ...]
+
+prints the table of benchmarks/RESULTS.md from that export (no GPU needed; ``--rows`` as profiled).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
@@ -59,10 +64,57 @@ def cases(rows_list):
         yield f"prefill {provider}", prefill
 
 
+def labels(rows_list) -> list[str]:
+    """The profiled cases, in :func:`cases`' order."""
+    names = [f"decode T={t} {who}" for t in rows_list for who in ("triton", "triton-invariant", "flashmla")]
+    return names + ["prefill triton", "prefill flashmla"]
+
+
+#: Columns of the table: heading, ncu metric, scale.
+COLUMNS = (
+    ("µs", "gpu__time_duration.sum", 1e3), ("grid", "launch__grid_size", 1),
+    ("registers", "launch__registers_per_thread", 1), ("dynamic smem KB", "launch__shared_mem_per_block_dynamic", 1),
+    ("warps / SM", "sm__warps_active.avg.per_cycle_active", 1),
+    ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
+    ("tensor pipe %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed", 1),
+    ("DRAM %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("L2 %", "lts__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+)
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def table(path: str, rows_list) -> str:
+    """A markdown table of an ``ncu --csv --page raw`` export of this script's launches: each kernel
+    named by its case (a Triton ``decode_kernel`` / ``prefill_kernel`` or a FlashMLA forward kernel
+    starts the next case, a combine kernel belongs to the case before it)."""
+    header, _units, *data = list(csv.reader(open(path)))
+    at = {name: i for i, name in enumerate(header)}
+    stalls = [h for h in header if h.startswith(STALL[0]) and h.endswith(STALL[1])]
+    names, case = iter(labels(rows_list)), None
+    lines = ["| case | kernel | " + " | ".join(c[0] for c in COLUMNS) + " | top stalls (warps per issue) |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
+    for row in data:
+        kernel = row[at["Kernel Name"]]
+        if "combine" not in kernel:
+            case = next(names)
+        values = []
+        for _, metric, scale in COLUMNS:
+            text = row[at[metric]].replace(",", "")
+            values.append(f"{float(text) * scale:.3g}" if text else "")
+        top = sorted(((float(row[at[h]] or 0), h[len(STALL[0]):-len(STALL[1])]) for h in stalls), reverse=True)[:3]
+        lines.append(f"| {case} | {kernel.split('<')[0].replace('void ', '')[:28]} | " + " | ".join(values)
+                     + " | " + ", ".join(f"{name} {v:.2f}" for v, name in top) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--table", metavar="CSV", help="print the table of an ncu raw CSV export instead")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.table, args.rows))
+        return
     calls = list(cases(args.rows))
     for _, call in calls:  # compile and warm up
         call()
