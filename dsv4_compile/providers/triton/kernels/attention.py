@@ -11,8 +11,10 @@ from .... import layout
 
 try:  # griddepcontrol (SM90+), traced only where a launch asks for it (``PDL``)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton build without NVIDIA's extras
+except ImportError:  # a Triton build without them (older, or without NVIDIA's extras)
     gdc_launch_dependents = gdc_wait = None
+#: Whether this Triton can launch the decode kernels as programmatic dependent launches.
+PDL_AVAILABLE = gdc_wait is not None
 
 #: Triton reads module globals in a kernel as constexprs only.
 _NOPE, _ROPE, _D, _TILE = (tl.constexpr(v) for v in (layout.NOPE_DIM, layout.ROPE_DIM, layout.HEAD_DIM, layout.TILE))
