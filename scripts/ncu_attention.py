@@ -27,15 +27,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import dsv4_compile as d4  # noqa: E402
-from dsv4_compile import layout  # noqa: E402
+from bench_triton_attention import FLASHMLA_OPS, SCALE  # noqa: E402  (benchmarks/)
 from common import DEV, decode_inputs  # noqa: E402  (benchmarks/common.py)
 
-SCALE = layout.HEAD_DIM**-0.5
-FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+
+def labels(rows_list) -> list[str]:
+    """The profiled cases, in launch order (:func:`cases` yields their calls in this order)."""
+    names = [f"decode T={t} {who}" for t in rows_list for who in ("triton", "triton-invariant", "flashmla")]
+    return names + ["prefill triton", "prefill flashmla"]
 
 
 def cases(rows_list):
-    """``(label, call)`` of each profiled call, in launch order."""
+    """The call of each case of :func:`labels`, in launch order."""
     for rows in rows_list:
         q, cache, idx, lengths, sink, ecache, eidx, elen = decode_inputs(rows)
         args = (q, cache, 256, idx, lengths, sink, ecache, 64, eidx, elen)
@@ -51,9 +54,9 @@ def cases(rows_list):
             with d4.use_provider("flashmla", ops=FLASHMLA_OPS):
                 return d4.flash_mla_with_kvcache(*args, *meta, softmax_scale=SCALE)
 
-        yield f"decode T={rows} triton", lambda f=triton: f(False)
-        yield f"decode T={rows} triton-invariant", lambda f=triton: f(True)
-        yield f"decode T={rows} flashmla", flashmla
+        yield lambda f=triton: f(False)
+        yield lambda f=triton: f(True)
+        yield flashmla
     q = torch.randn(4096, 64, 512, dtype=torch.bfloat16, device=DEV)
     kv = torch.randn(8192, 1, 512, dtype=torch.bfloat16, device=DEV)
     idx = torch.randint(0, 8192, (4096, 1, 640), dtype=torch.int32, device=DEV)
@@ -61,13 +64,7 @@ def cases(rows_list):
         def prefill(provider=provider):
             with d4.use_provider(provider, ops=FLASHMLA_OPS if provider == "flashmla" else ("flash_mla_sparse_fwd",)):
                 return d4.flash_mla_sparse_fwd(q, kv, idx, SCALE)
-        yield f"prefill {provider}", prefill
-
-
-def labels(rows_list) -> list[str]:
-    """The profiled cases, in :func:`cases`' order."""
-    names = [f"decode T={t} {who}" for t in rows_list for who in ("triton", "triton-invariant", "flashmla")]
-    return names + ["prefill triton", "prefill flashmla"]
+        yield prefill
 
 
 #: Columns of the table: heading, ncu metric, scale.
@@ -115,7 +112,7 @@ def main() -> None:
     if args.table:
         print(table(args.table, args.rows))
         return
-    calls = list(cases(args.rows))
+    calls = list(zip(labels(args.rows), cases(args.rows), strict=True))
     for _, call in calls:  # compile and warm up
         call()
     torch.cuda.synchronize()

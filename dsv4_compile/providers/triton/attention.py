@@ -348,8 +348,7 @@ def _decode(kernels, q, k_cache, page_size, indices, topk_length, attn_sink,
     partial = _partial_mode(splits)
     split = partial > 0
     shift, pow2 = _page_shift(page_size)
-    # eager launches on SM90+ are programmatic dependent launches (Inductor's launches of traced
-    # kernels take no launch attribute): a kernel is scheduled while its predecessor runs
+    # eager launches only (PDL_CAPABILITY): Inductor takes no launch attribute for a traced kernel
     pdl = kernels is _eager and _kernels().PDL_AVAILABLE and triton_common.nvidia_compiled(
         q.device, _kernels().decode_kernel, PDL_CAPABILITY)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
