@@ -2,6 +2,7 @@
 code between), counted offline; no GPU needed.
 
     python scripts/kernel_sass.py decode [--rows 1] [--arch 90] [--sms 132] [--top 8] [--formats v4 v4]
+                                         [--geometry HEADS KEYS WARPS STAGES]
     python scripts/kernel_sass.py prefill | topk [--width 4096] | logits [--rows 64]
 
 A provider entry point runs on CPU tensors with its launches recorded instead of run, taking the
@@ -27,7 +28,9 @@ import argparse
 import collections
 import re
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -40,13 +43,17 @@ import triton_offline  # noqa: E402
 
 
 def launches(case: str, rows: int, width: int, capability: tuple[int, int], sms: int,
-             formats: tuple[str, str] = ("v4", "v4"), invariant: bool = False) -> list:
+             formats: tuple[str, str] = ("v4", "v4"), invariant: bool = False,
+             geometry: triton_attention.Config | None = None) -> list:
     """``(kernel, args, kwargs)`` of each launch of ``case`` on CPU tensors, as a GPU of
     ``capability`` with ``sms`` SMs makes them (the decode's main and extra caches in ``formats``;
-    the decode in the batch-invariant mode if ``invariant``)."""
+    the decode in the batch-invariant mode if ``invariant``; with the launch ``geometry`` instead
+    of the one that GPU gets, if given)."""
     bf16 = dict(dtype=torch.bfloat16)
     triton_indexer._kernels()  # import the kernels (and Triton) before recording
-    with triton_offline.recorded(capability, sms) as recorded:
+    forced = nullcontext() if geometry is None else mock.patch.object(
+        triton_attention, "decode_config", lambda device: geometry)
+    with triton_offline.recorded(capability, sms) as recorded, forced:
         if case == "decode":
             cache = layout.alloc_cache(4, 256, "cpu", kv_format=formats[0])
             extra = layout.alloc_cache(16, 64, "cpu", kv_format=formats[1])
@@ -102,10 +109,13 @@ def main() -> None:
     parser.add_argument("--formats", nargs=2, default=["v4", "v4"], choices=list(layout.FORMATS),
                         help="decode: the main and the extra cache's formats")
     parser.add_argument("--invariant", action="store_true", help="decode: in the batch-invariant mode")
+    parser.add_argument("--geometry", type=int, nargs=4, metavar=("HEADS", "KEYS", "WARPS", "STAGES"),
+                        help="decode: this launch geometry instead of the one the GPU gets")
     parser.add_argument("--top", type=int, default=8, help="opcodes listed per region")
     args = parser.parse_args()
+    geometry = triton_attention.Config(*args.geometry) if args.geometry else None
     for kernel, call, kwargs in launches(args.case, args.rows, args.width, divmod(args.arch, 10), args.sms,
-                                         tuple(args.formats), args.invariant):
+                                         tuple(args.formats), args.invariant, geometry):
         program = triton_offline.compile_launch(kernel, call, kwargs, args.arch)
         registers, stack = resources(program)
         found = regions(cuobjdump(program, "-sass"))
