@@ -56,7 +56,7 @@ FLASHMLA_OPS = ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metad
 #: geometry says.
 DECODE_SWEEP = [ta.Config(*c) for c in (
     (64, 32, 8, 1), (64, 32, 8, 2, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 8, 2, 1), (64, 64, 4, 2, 1),
-    (32, 32, 8, 1), (32, 32, 8, 2),
+    (32, 32, 8, 1), (32, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 1),
 )]
 MIN_SPLIT_KEYS_SWEEP = (32, 64, 128, 256, 640)
 #: ``--grid`` (decode at ``GRID_ROWS`` rows): every combination of these geometries and split
