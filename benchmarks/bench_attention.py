@@ -20,7 +20,7 @@ import json
 import torch
 
 import dsv4_compile as d4
-from common import DEV, decode_inputs, graph_timed, timed
+from common import DECODE_ROWS, DEV, decode_inputs, graph_timed, timed
 
 
 
@@ -90,7 +90,7 @@ def main():
     report = {
         "torch": torch.__version__, "device": torch.cuda.get_device_name(),
         "providers": d4.providers(DEV),
-        "decode": [bench_decode(rows) for rows in (1, 8, 64, 256)],
+        "decode": [bench_decode(rows) for rows in DECODE_ROWS],
         "prefill": [bench_prefill(64, 640), bench_prefill(128, 2048)],
     }
     try:

@@ -22,11 +22,10 @@ import torch
 import dsv4_compile as d4
 from dsv4_compile import dispatch, layout
 from dsv4_compile.providers.triton import attention as ta
-from common import DEV, decode_inputs, graph_timed
+from common import DECODE_ROWS, DEV, decode_inputs, graph_timed
 
 SCALE = layout.HEAD_DIM**-0.5
 SPLIT_KEYS_SWEEP = (128, 256, 384, 512, 640)
-ROWS = (1, 8, 64, 256)
 
 
 def decode(args, batch_invariant, provider="triton"):
@@ -50,7 +49,7 @@ def rows_alone_equal(args) -> int:
 def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--rows", type=int, nargs="+", default=list(DECODE_ROWS))
     parser.add_argument("--split-keys", type=int, nargs="+", default=list(SPLIT_KEYS_SWEEP))
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import json
 import torch
 
 import dsv4_compile as d4
-from common import DEV, decode_inputs, graph_timed, timed
+from common import DECODE_ROWS, DEV, decode_inputs, graph_timed, timed
 from dsv4_compile import layout
 
 #: (main format, extra format) per row of the decode table
@@ -69,7 +69,7 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     decode = []
-    for rows in (1, 8, 64, 256):
+    for rows in DECODE_ROWS:
         for kv_format, extra_format in PAIRS:
             providers = ["triton"] + (["flashmla"] if kv_format == "v4" else [])
             for provider in providers:

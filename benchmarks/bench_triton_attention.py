@@ -44,7 +44,7 @@ import dsv4_compile as d4
 from dsv4_compile import dispatch, layout
 from dsv4_compile.providers.triton import attention as ta
 from bench_step import copy_rate  # this directory's benchmark
-from common import DEV, decode_inputs
+from common import DECODE_ROWS, DEV, decode_inputs
 
 SCALE = layout.HEAD_DIM**-0.5
 #: FlashMLA time / Triton time to reach: the decode at every T, the prefill
@@ -339,7 +339,7 @@ def main():
             name, rows = "grid", [r for t in args.rows or GRID_ROWS for r in grid(t, 64)]
             keys = ["rows", "config", "min_split_keys", "programs", "splits"]
         elif args.pdl:
-            name, rows, keys = "pdl", [pdl_ab(t, 64) for t in args.rows or (1, 8, 64, 256)], ["rows", "pdl_us", "no_pdl_us"]
+            name, rows, keys = "pdl", [pdl_ab(t, 64) for t in args.rows or DECODE_ROWS], ["rows", "pdl_us", "no_pdl_us"]
         else:
             name, rows, keys = "combine", [r for t in (1, 8, 64) for r in combine_sweep(t, 64)], ["rows", "combine"]
         print(table(rows, keys + ["us", "max_abs_diff_out", "max_abs_diff_lse", "error"]))
@@ -355,7 +355,7 @@ def main():
         "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
         "flashmla": flashmla, "decode_config": str(ta.decode_config(device)), "prefill_config": str(ta.prefill_config(device)),
         "min_split_keys": ta.MIN_SPLIT_KEYS, "copy_tb_s": copy, "peak_tflops": args.peak_tflops,
-        "decode": [bench_decode(rows, 64, flashmla, args.sweep, copy, args.peak_tflops) for rows in (1, 8, 64, 256)],
+        "decode": [bench_decode(rows, 64, flashmla, args.sweep, copy, args.peak_tflops) for rows in DECODE_ROWS],
         "prefill": [bench_prefill(64, 640, flashmla, args.sweep, copy, args.peak_tflops)],
     }
     if flashmla:

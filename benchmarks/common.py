@@ -15,6 +15,8 @@ from dsv4_compile.providers import reference
 
 DEV = "cuda"
 SWA_PAGE, EXTRA_PAGE = 256, 64
+#: The decode benchmarks' query-row counts T (:func:`decode_inputs`)
+DECODE_ROWS = (1, 8, 64, 256)
 
 
 def filled(num_pages: int, page_size: int, kv_format: str = "v4") -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import dsv4_compile as d4  # noqa: E402
 from bench_triton_attention import FLASHMLA_OPS, SCALE  # noqa: E402  (benchmarks/)
-from common import DEV, decode_inputs  # noqa: E402  (benchmarks/common.py)
+from common import DECODE_ROWS, DEV, decode_inputs  # noqa: E402  (benchmarks/common.py)
 
 
 def labels(rows_list) -> list[str]:
@@ -106,7 +106,7 @@ def table(path: str, rows_list) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(DECODE_ROWS))
     parser.add_argument("--table", metavar="CSV", help="print the table of an ncu raw CSV export instead")
     args = parser.parse_args()
     if args.table:
